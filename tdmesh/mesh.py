@@ -1,0 +1,97 @@
+"""``DeviceMesh``: named dims over a set of worker ranks, and the handle that sends work there.
+
+The geometry (``slice``, ``split``, ``rename``, ``flatten``, sizes, the rank table) is a pure
+value over :class:`~tdmesh.shape.Shape` and sends nothing.  A mesh made by a launcher also
+holds the ``client`` that talks to its fleet; sub-meshes share it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from .shape import Shape
+from .slice import Slice
+
+__all__ = ["DeviceMesh"]
+
+
+class DeviceMesh:
+    """A mesh of worker ranks with named dims, e.g. ``("host", "gpu")``.
+
+    Meshes compare by identity (as Monarch's): two handles over the same ranks are still
+    different meshes for placement checks.  Geometry methods return new meshes that share
+    this mesh's fleet.
+    """
+
+    def __init__(self, shape: Shape, client=None, *, parent: "DeviceMesh | None" = None) -> None:
+        if not isinstance(shape, Shape):
+            raise TypeError(f"DeviceMesh needs a Shape, got {type(shape).__name__}")
+        self._shape = shape
+        self.client = client
+        self._parent = parent
+
+    @classmethod
+    def from_sizes(cls, client=None, **sizes: int) -> "DeviceMesh":
+        """A dense mesh over ranks ``0..N-1``: ``DeviceMesh.from_sizes(host=2, gpu=4)``."""
+        return cls(Shape(tuple(sizes), Slice.new_row_major(list(sizes.values()))), client)
+
+    def _derive(self, shape: Shape) -> "DeviceMesh":
+        return DeviceMesh(shape, self.client, parent=self)
+
+    # -- geometry ------------------------------------------------------------------------
+    @property
+    def shape(self) -> Shape:
+        return self._shape
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self._shape.labels
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return self._shape.sizes
+
+    @property
+    def processes(self) -> Slice:
+        """The global ranks of this mesh as a :class:`Slice`."""
+        return self._shape.slice
+
+    def size(self, dims: None | str | Sequence[str] = None) -> int:
+        """Ranks along ``dims``: all dims for ``None``, a product for a sequence."""
+        return self._shape.size(dims)
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    def slice(self, **kw: int | slice) -> "DeviceMesh":
+        """``int`` removes a dim, ``slice`` restricts it; applied in keyword order."""
+        return self._derive(self._shape.index(**kw))
+
+    def split(self, **kw: Sequence[str] | int) -> "DeviceMesh":
+        """``split(host=("dp", "pp"), gpu=("tp",), pp=4)``: rank order is preserved."""
+        return self._derive(self._shape.split(**kw))
+
+    def rename(self, **kw: str) -> "DeviceMesh":
+        return self._derive(self._shape.rename(**kw))
+
+    def flatten(self, name: str) -> "DeviceMesh":
+        """One dim called ``name`` over every rank; dense meshes only."""
+        return self._derive(self._shape.flatten(name))
+
+    def to_table(self) -> str:
+        return self._shape.to_table()
+
+    def __repr__(self) -> str:
+        return f"<DeviceMesh {self._shape} ranks {_ranks_text(self._shape)}>"
+
+    def __str__(self) -> str:
+        return f"DeviceMesh {self._shape}\n{self.to_table()}"
+
+
+def _ranks_text(shape: Shape) -> str:
+    ranks = shape.ranks()
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}..{ranks[-1]}"
+    if len(ranks) > 12:
+        return ", ".join(map(str, ranks[:6])) + ", ..., " + ", ".join(map(str, ranks[-3:]))
+    return ", ".join(map(str, ranks))
