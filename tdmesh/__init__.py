@@ -1,6 +1,24 @@
-"""tdmesh: drive a fleet of PyTorch workers from one Python program."""
+"""tdmesh: drive a fleet of PyTorch workers from one Python program.
+
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh, mesh.activate():
+        x = torch.ones(3) * mesh.rank("gpu")
+        print(tdmesh.fetch_shard(x, host=0, gpu=1).result())
+"""
 
 from .slice import Slice
 from .shape import Shape, UnknownDimError
+from .mesh import DeviceMesh
+from ._context import get_active_mesh, no_mesh
+from .errors import DeviceException, RemoteException
+from .future import Future
+from .tensor import Tensor
+from .remote import Remote, remote
+from .fetch import call_on_shard_and_fetch, fetch_shard, inspect
+from .launcher import local_mesh, local_meshes, restart_count, world_mesh
 
-__all__ = ["Slice", "Shape", "UnknownDimError"]
+__all__ = [
+    "Slice", "Shape", "UnknownDimError", "DeviceMesh", "get_active_mesh", "no_mesh",
+    "DeviceException", "RemoteException", "Future", "Tensor", "Remote", "remote",
+    "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
+    "restart_count", "world_mesh",
+]

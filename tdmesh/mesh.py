@@ -63,15 +63,15 @@ class DeviceMesh:
     def __len__(self) -> int:
         return len(self._shape)
 
-    def slice(self, **kw: int | slice) -> "DeviceMesh":
+    def slice(self, /, **kw: int | slice) -> "DeviceMesh":
         """``int`` removes a dim, ``slice`` restricts it; applied in keyword order."""
         return self._derive(self._shape.index(**kw))
 
-    def split(self, **kw: Sequence[str] | int) -> "DeviceMesh":
+    def split(self, /, **kw: Sequence[str] | int) -> "DeviceMesh":
         """``split(host=("dp", "pp"), gpu=("tp",), pp=4)``: rank order is preserved."""
         return self._derive(self._shape.split(**kw))
 
-    def rename(self, **kw: str) -> "DeviceMesh":
+    def rename(self, /, **kw: str) -> "DeviceMesh":
         return self._derive(self._shape.rename(**kw))
 
     def flatten(self, name: str) -> "DeviceMesh":
@@ -81,11 +81,75 @@ class DeviceMesh:
     def to_table(self) -> str:
         return self._shape.to_table()
 
+    # -- live: these talk to the fleet -------------------------------------------------------
+    @property
+    def _tdmesh_mesh_shape(self) -> Shape:
+        """How a mesh argument travels to a remote function (the worker sees its own view)."""
+        return self._shape
+
+    @property
+    def device_type(self) -> str:
+        return self._live().device_type
+
+    def _live(self):
+        if self.client is None:
+            raise RuntimeError(f"{self!r} has no fleet: it is a pure geometry value. Get a live mesh from "
+                               f"tdmesh.local_mesh() or tdmesh.world_mesh()")
+        return self.client
+
+    def activate(self):
+        """Make this mesh the one ops run on, now; usable as a context manager that restores
+        the previous mesh on exit."""
+        from ._context import Activation
+        self._live()._check_usable()
+        return Activation(self)
+
+    def rank(self, dims: str | Sequence[str]):
+        """A remote int64 scalar: each worker's coordinate along ``dims`` (row-major in the given order)."""
+        if isinstance(dims, str):
+            dims = (dims,)
+        for d in dims:
+            self._shape.dim(d)
+        return _builtin("mesh_rank")(self, tuple(dims))
+
+    @property
+    def ranks(self) -> dict:
+        return {d: self.rank(d) for d in self.names}
+
+    def process_idx(self):
+        """A remote int64 scalar: each worker's global rank."""
+        return _builtin("process_idx")(self)
+
+    def exit(self, error: str | None = None) -> None:
+        """Shut the fleet down (idempotent) and raise any remote error nobody observed."""
+        root = self
+        while root._parent is not None:
+            root = root._parent
+        fleet = getattr(root, "_fleet", None)
+        if fleet is not None:
+            fleet.exit(error)
+        elif self.client is not None:
+            self.client.shutdown(error)
+
     def __repr__(self) -> str:
         return f"<DeviceMesh {self._shape} ranks {_ranks_text(self._shape)}>"
 
     def __str__(self) -> str:
         return f"DeviceMesh {self._shape}\n{self.to_table()}"
+
+
+_builtins: dict = {}
+
+
+def _builtin(name: str):
+    fn = _builtins.get(name)
+    if fn is None:
+        import torch
+        from .remote import Remote
+        fn = Remote(f"tdmesh.worker.builtins.{name}",
+                    propagate=lambda *a: torch.empty((), dtype=torch.int64))
+        _builtins[name] = fn
+    return fn
 
 
 def _ranks_text(shape: Shape) -> str:

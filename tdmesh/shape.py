@@ -138,7 +138,7 @@ class Shape:
             raise ValueError(f"slice {_fmt(pyslice)} of dim {label!r} (size {size}) selects no ranks")
         return Shape(self._labels, self._slice.select(d, start, stop, step))
 
-    def index(self, **coords: int | slice) -> "Shape":
+    def index(self, /, **coords: int | slice) -> "Shape":
         """Apply ``at`` (ints) and ``select`` (slices) in keyword order."""
         shape = self
         for label, value in coords.items():
@@ -146,11 +146,11 @@ class Shape:
         return shape
 
     # -- reshaping -------------------------------------------------------------------------
-    def rename(self, **renames: str) -> "Shape":
+    def rename(self, /, **renames: str) -> "Shape":
         """Rename dims; ranks, sizes and strides are unchanged."""
         return self.split(**{old: (new,) for old, new in renames.items()})
 
-    def split(self, **kw: Sequence[str] | int) -> "Shape":
+    def split(self, /, **kw: Sequence[str] | int) -> "Shape":
         """Split dims into several: ``split(host=("dp", "pp"), gpu=("tp",), pp=4)``.
 
         A keyword naming an existing dim gives its new dim names; any other keyword gives

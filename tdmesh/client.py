@@ -1,0 +1,239 @@
+"""The client: owns the connections to one fleet, sends batches, and pumps replies.
+
+The controller loop lives here, in the user's process: ops are pickled once and appended
+to the send buffer of every rank of their mesh; buffers go out when they grow, when a
+value is awaited, or shortly after the user stops issuing ops.  A reader thread turns
+worker frames into inbox messages; the user's thread applies them to the history when it
+waits (``pump``), so the history needs no lock of its own beyond the client's.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import selectors
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from . import messages as m
+from .controller import History
+from .errors import DeviceException
+from .future import Future
+from .tensor import call_site, frames
+from .transport import Connection, ProtocolError, encode
+
+log = logging.getLogger("tdmesh")
+
+_FLUSH_BYTES = 256 * 1024
+_FLUSH_INTERVAL = 0.002
+
+
+class WorkerLost(Exception):
+    pass
+
+
+class Client:
+    def __init__(self, conns: dict[int, Connection], hellos: dict[int, m.Hello], log_dir: str | None = None,
+                 on_shutdown: Callable[[], None] | None = None) -> None:
+        self.lock = threading.RLock()
+        self.conns = conns
+        self.hellos = hellos
+        self.log_dir = log_dir
+        self.ranks = sorted(conns)
+        device = hellos[self.ranks[0]].device
+        self.device = torch.device("cuda", 0) if device.startswith("cuda") else torch.device("cpu")
+        self.device_type = self.device.type
+        self._next_ref = 1
+        self._next_seq = 0
+        self._buffers: dict[int, list[bytes]] = {r: [] for r in self.ranks}
+        self._buffered_bytes = 0
+        self._last_flush = time.monotonic()
+        self._deletes: dict[object, tuple] = {}   # ranks slice -> (mesh, [refs])
+        self.history = History(self.ranks)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.failure: DeviceException | None = None
+        self.closed = False
+        self._on_shutdown = on_shutdown
+        self._reader = threading.Thread(target=self._read_loop, name="tdmesh-reader", daemon=True)
+        self._reader.start()
+        self._flusher = threading.Thread(target=self._flush_loop, name="tdmesh-flusher", daemon=True)
+        self._flusher.start()
+
+    # -- ids -------------------------------------------------------------------------------
+    def new_ref(self) -> int:
+        ref = self._next_ref
+        self._next_ref = ref + 1
+        return ref
+
+    def new_seq(self) -> int:
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        return seq
+
+    # -- sending ---------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self.closed:
+            raise RuntimeError("this mesh has exited; its tensors can no longer be used")
+
+    def send(self, mesh, msg, seq: int | None = None, uses=(), defs=(), future: Future | None = None,
+             ranks=None) -> None:
+        """Queue ``msg`` for every rank of ``mesh`` (or ``ranks``) and record it in the history."""
+        with self.lock:
+            self._check_usable()
+            if seq is not None:
+                self.history.add(seq, uses, defs, call_site(), future)
+            data = encode(msg)
+            buffers = self._buffers
+            for r in (mesh.processes if ranks is None else ranks):
+                buffers[r].append(data)
+            self._buffered_bytes += len(data)
+            if self._buffered_bytes > _FLUSH_BYTES or time.monotonic() - self._last_flush > _FLUSH_INTERVAL:
+                self.flush()
+
+    def send_all(self, msg) -> None:
+        self.send(None, msg, ranks=self.ranks)
+
+    def delete_ref(self, ref: int, mesh) -> None:
+        """Called when a proxy dies (any thread): batched into the next flush."""
+        if self.closed:
+            return
+        entry = self._deletes.get(mesh.processes)
+        if entry is None:
+            entry = self._deletes.setdefault(mesh.processes, (mesh, []))
+        entry[1].append(ref)
+
+    def delete_refs(self, refs, mesh) -> None:
+        with self.lock:
+            for r in refs:
+                self.delete_ref(r, mesh)
+
+    def _queue_deletes(self) -> None:
+        deletes, self._deletes = self._deletes, {}
+        for mesh, refs in deletes.values():
+            if refs:
+                self.history.forget_refs(refs)
+                data = encode(m.DeleteRefs(tuple(refs)))
+                for r in mesh.processes:
+                    self._buffers[r].append(data)
+
+    def flush(self) -> None:
+        with self.lock:
+            if self._deletes:
+                self._queue_deletes()
+            self._last_flush = time.monotonic()
+            self._buffered_bytes = 0
+            for rank, buf in self._buffers.items():
+                if buf:
+                    payload = b"".join(buf)
+                    buf.clear()
+                    try:
+                        self.conns[rank].send_payload(payload)
+                    except OSError as e:
+                        self._lost(rank, f"sending to it failed: {e}")
+
+    def _flush_loop(self) -> None:
+        while not self.closed:
+            time.sleep(_FLUSH_INTERVAL)
+            if self._buffered_bytes or self._deletes:
+                if self.lock.acquire(timeout=0.05):
+                    try:
+                        if not self.closed and self.failure is None:
+                            self.flush()
+                    finally:
+                        self.lock.release()
+
+    # -- receiving -------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        for rank, conn in self.conns.items():
+            sel.register(conn.sock, selectors.EVENT_READ, rank)
+        open_ranks = set(self.conns)
+        while open_ranks:
+            for key, _ in sel.select(timeout=0.5):
+                rank = key.data
+                try:
+                    msgs = self.conns[rank].recv_messages()
+                except (OSError, ProtocolError) as e:
+                    msgs, error = None, e
+                else:
+                    error = None
+                if msgs is None:
+                    sel.unregister(key.fileobj)
+                    open_ranks.discard(rank)
+                    self.inbox.put((rank, WorkerLost(str(error) if error else "connection closed")))
+                    continue
+                for msg in msgs:
+                    self.inbox.put((rank, msg))
+
+    def pump(self, timeout: float | None = 0, until: Callable[[], bool] | None = None) -> None:
+        """Apply worker replies to the history until ``until()`` holds or ``timeout`` passes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.flush()
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                rank, msg = self.inbox.get(timeout=remaining) if remaining != 0 else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            with self.lock:
+                self._apply(rank, msg)
+            if until is not None and until():
+                return
+
+    def _apply(self, rank: int, msg) -> None:
+        t = type(msg)
+        if t is m.Status:
+            for node in self.history.status(msg):
+                self.history.resolve(node)
+        elif t is m.FetchResult:
+            self.history.set_value(msg)
+        elif t is m.RemoteFunctionFailed:
+            self.history.fail(msg, frames)
+        elif t is WorkerLost:
+            if not self.closed:
+                self._lost(rank, str(msg))
+        else:
+            self._fail_fleet(DeviceException(f"rank {rank} sent an unexpected {t.__name__}: {msg!r}"))
+
+    def _lost(self, rank: int, why: str) -> None:
+        hello = self.hellos.get(rank)
+        where = f" (host {hello.hostname}, pid {hello.pid}{', log ' + hello.log if hello.log else ''})" if hello else ""
+        self._fail_fleet(DeviceException(f"worker rank {rank}{where} was lost: {why}"))
+
+    def _fail_fleet(self, exc: DeviceException) -> None:
+        if self.failure is None:
+            self.failure = exc
+        for fut in self.history.pending_futures():
+            if not fut._finished():
+                fut._set_exception(self.failure)
+
+    # -- fetching --------------------------------------------------------------------------
+    def request_status(self, seq: int) -> None:
+        """Every rank answers once all it was sent before this has run."""
+        self.send_all(m.RequestStatus(seq))
+
+    # -- shutdown --------------------------------------------------------------------------
+    def shutdown(self, error: str | None = None, timeout: float = 30.0) -> None:
+        """Stop every worker; idempotent."""
+        if self.closed:
+            return
+        try:
+            if self.failure is None:
+                with self.lock:
+                    self._queue_deletes()
+                    for r in self.ranks:
+                        self._buffers[r].append(encode(m.Exit(error)))
+                    self._buffered_bytes = 1
+                    self.flush()
+                self._reader.join(timeout)
+        finally:
+            self.closed = True
+            for conn in self.conns.values():
+                conn.close()
+            if self._on_shutdown is not None:
+                self._on_shutdown()

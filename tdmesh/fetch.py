@@ -1,0 +1,75 @@
+"""Getting values back: ``fetch_shard``, ``inspect`` and ``call_on_shard_and_fetch``."""
+
+from __future__ import annotations
+
+from torch.utils._pytree import tree_flatten
+
+from . import messages as m
+from ._context import active_mesh_or_none
+from .future import Future
+from .remote import Remote, _mesh_of
+from .tensor import Tensor, _wire, user_line
+
+__all__ = ["fetch_shard", "inspect", "call_on_shard_and_fetch"]
+
+
+def _shard_rank(mesh, shard: dict | None, coords: dict) -> int:
+    shard = dict(shard or {})
+    shard.update(coords)
+    if not shard:
+        return mesh.processes.offset
+    unknown = [d for d in shard if d not in mesh.names]
+    if unknown:
+        from .shape import UnknownDimError
+        raise UnknownDimError(f"fetch_shard got dims {unknown} that the mesh does not have; its dims are "
+                              f"{list(mesh.names)}")
+    missing = [d for d in mesh.names if d not in shard]
+    if missing:
+        raise ValueError(f"Missing key(s) {missing} in shard {shard}: name every dim of the mesh "
+                         f"{list(mesh.names)}, or none for its first rank")
+    return mesh.shape.index(**shard).slice.offset
+
+
+def _send_value(mesh, function, args, kwargs, rank: int) -> Future:
+    client = mesh.client
+    flat, _ = tree_flatten((args, kwargs))
+    uses = [x.ref for x in flat if type(x) is Tensor]
+    fut = Future(client)
+    with client.lock:
+        seq = client.new_seq()
+        client.send(mesh, m.SendValue(seq, (), function, _wire(args), _wire(kwargs)), seq, uses, (), fut,
+                    ranks=(rank,))
+        client.request_status(seq)
+        client.flush()
+    return fut
+
+
+def fetch_shard(obj, shard: dict | None = None, **coords) -> Future:
+    """A future for ``obj`` (a pytree of remote tensors) as seen by one rank of its mesh.
+
+    ``shard=None`` means the mesh's first rank; otherwise name every dim.  Tensors come
+    back on CPU, holding only their own elements.
+    """
+    flat, _ = tree_flatten(obj)
+    if not any(type(x) is Tensor for x in flat) and active_mesh_or_none() is None:
+        fut = Future(None)
+        fut._set_result(obj)
+        return fut
+    mesh = _mesh_of(flat)
+    rank = _shard_rank(mesh, shard, coords)
+    return _send_value(mesh, None, (obj,), {}, rank)
+
+
+def inspect(obj, shard: dict | None = None, **coords):
+    """``fetch_shard(obj, shard, **coords).result()``."""
+    return fetch_shard(obj, shard, **coords).result()
+
+
+def call_on_shard_and_fetch(remote_fn: Remote, *args, shard: dict | None = None, **kwargs) -> Future:
+    """Run ``remote_fn`` on one rank and fetch what it returns (an Exception returned is a value)."""
+    if not isinstance(remote_fn, Remote):
+        raise TypeError(f"call_on_shard_and_fetch needs a tdmesh.remote function, got {remote_fn!r}\n  at {user_line()}")
+    flat, _ = tree_flatten((args, kwargs))
+    mesh = _mesh_of(flat)
+    rank = _shard_rank(mesh, shard, {})
+    return _send_value(mesh, remote_fn._target, args, kwargs, rank)

@@ -1,0 +1,149 @@
+"""A running fleet: the controller's listening socket, the worker connections, shutdown.
+
+Both entry points end here: ``local_mesh`` (workers started by torch.distributed.elastic
+from the calling process) and ``world_mesh`` (workers started by torchrun).  The client
+listens, publishes its address and a token in the job's c10d store, and accepts exactly
+one authenticated connection per rank.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import sys
+import time
+from typing import Callable
+
+from . import messages as m
+from .client import Client
+from .config import env_float
+from .errors import DeviceException
+from .rendezvous import new_token, publish_controller
+from .transport import DEFAULT_MAX_FRAME, Connection, ProtocolError
+
+log = logging.getLogger("tdmesh")
+
+
+def controller_host() -> str:
+    import os
+    host = os.environ.get("TDMESH_CONTROLLER_HOST")
+    if host:
+        return host
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+        return name
+    except OSError:
+        return "127.0.0.1"
+
+
+def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str | None = None,
+                   alive: Callable[[], str | None] = lambda: None, timeout: float | None = None):
+    """Publish the controller in ``store`` and accept one authenticated connection per rank.
+
+    ``alive()`` returns a reason when the workers can no longer come (a launcher saw them
+    die), so startup failures are reported at once instead of after the timeout.
+    """
+    timeout = env_float("TDMESH_CONNECT_TIMEOUT") if timeout is None else timeout
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((bind, 0))
+    listener.listen(max(world_size, 16))
+    listener.settimeout(0.2)
+    token = new_token()
+    publish_controller(store, host, listener.getsockname()[1], token, scope)
+    conns: dict[int, Connection] = {}
+    hellos: dict[int, m.Hello] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(conns) < world_size:
+            why = alive()
+            if why:
+                raise DeviceException(f"workers failed while starting: {why}")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(conns))
+                raise DeviceException(f"ranks {missing} did not connect to the controller within {timeout:.0f} s")
+            try:
+                sock, peer = listener.accept()
+            except socket.timeout:
+                continue
+            sock.settimeout(10)
+            conn = Connection(sock, max_frame=1 << 20)
+            try:
+                msgs = conn.recv_messages() or []
+            except (OSError, ProtocolError, Exception) as e:  # noqa: BLE001 - anything a stranger sends
+                log.warning("refused a connection from %s: %s", peer, e)
+                conn.close()
+                continue
+            hello = msgs[0] if len(msgs) == 1 else None
+            if (type(hello) is not m.Hello or not hmac.compare_digest(str(hello.token), token)
+                    or not 0 <= hello.rank < world_size or hello.rank in conns):
+                log.warning("refused a connection from %s: not an authenticated worker of this job", peer)
+                conn.close()
+                continue
+            sock.settimeout(None)
+            conn.max_frame = DEFAULT_MAX_FRAME  # authenticated: fetches may be large
+            conns[hello.rank] = conn
+            hellos[hello.rank] = hello
+    except BaseException:
+        for conn in conns.values():
+            conn.close()
+        raise
+    finally:
+        listener.close()
+    return conns, hellos
+
+
+class Fleet:
+    """Owns a client and (for local meshes) the worker processes; ``exit`` is idempotent."""
+
+    def __init__(self, client: Client, processes=None, store=None, log_files: dict | None = None) -> None:
+        self.client = client
+        self.processes = processes
+        self.store = store
+        self.log_files = log_files or {}
+        self.exited = False
+
+    def drain(self, timeout: float = 60.0) -> None:
+        """Wait until every op sent so far has run, so every remote error is known."""
+        client = self.client
+        if client.failure is not None or client.closed:
+            return
+        with client.lock:
+            if not len(client.history):
+                return
+            client.request_status(client._next_seq - 1)
+        client.pump(timeout, until=lambda: not len(client.history) or client.failure is not None)
+
+    def exit(self, error: str | None = None) -> None:
+        if self.exited:
+            return
+        self.exited = True
+        client = self.client
+        unobserved = None
+        try:
+            if error is None:
+                self.drain()
+                if client.history.unobserved:
+                    unobserved = next(iter(client.history.unobserved.values()))
+            client.shutdown(error if error is not None else (str(unobserved) if unobserved else None))
+        finally:
+            self._stop_processes()
+        if unobserved is not None:
+            raise unobserved
+        if client.failure is not None and error is None:
+            raise client.failure
+
+    def _stop_processes(self) -> None:
+        if self.processes is None:
+            return
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                result = self.processes.wait(timeout=0.1)
+                if result is not None:
+                    break
+        finally:
+            self.processes.close()
+            self.processes = None

@@ -1,0 +1,179 @@
+"""Getting a mesh: ``local_mesh`` (workers via torch.distributed.elastic) and ``world_mesh`` (torchrun).
+
+``local_mesh(hosts=2, gpus_per_host=4)`` starts ``hosts x gpus_per_host`` worker processes
+with ``torch.distributed.elastic.multiprocessing.start_processes`` -- the same machinery
+torchrun uses -- each running ``python -m tdmesh.worker --serve`` with torchrun's
+environment variables.  Hosts are simulated on this machine.  The calling process is the
+client; its c10d ``TCPStore`` is the rendezvous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+import uuid
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+from torch.distributed import TCPStore
+
+from .fleet import Fleet, accept_workers
+from .mesh import DeviceMesh
+from .rendezvous import restart_count
+from .shape import Shape
+from .slice import Slice
+
+__all__ = ["local_mesh", "local_meshes", "world_mesh", "restart_count"]
+
+_world: DeviceMesh | None = None
+
+
+def _default_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_dir: str | None,
+                       device_offset: int = 0) -> Fleet:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+    if hosts < 1 or gpus_per_host < 1:
+        raise ValueError(f"local_mesh needs hosts >= 1 and gpus_per_host >= 1, got hosts={hosts}, "
+                         f"gpus_per_host={gpus_per_host}")
+    world = hosts * gpus_per_host
+    cuda = torch.cuda.is_available() and os.environ.get("TDMESH_DEVICE") != "cpu"
+    if cuda and device_offset + world > torch.cuda.device_count():
+        raise ValueError(f"local_mesh asks for {world} GPU workers but only "
+                         f"{torch.cuda.device_count() - device_offset} CUDA devices are free")
+    backend = backend or ("nccl" if cuda else "gloo")
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=1800))
+    run_id = f"tdmesh-{uuid.uuid4().hex[:12]}"
+    scope = f"tdmesh/{run_id}"
+    base_env = {
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(gpus_per_host),
+        "TDMESH_STORE": f"127.0.0.1:{store.port}", "TDMESH_SCOPE": scope, "TDMESH_BACKEND": backend,
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+    if not cuda:
+        base_env["TDMESH_DEVICE"] = "cpu"
+    envs = {}
+    for rank in range(world):
+        env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank % gpus_per_host),
+                   GROUP_RANK=str(rank // gpus_per_host), TDMESH_DEVICE_INDEX=str(device_offset + rank))
+        if log_dir:
+            env["TDMESH_LOG_FILE"] = os.path.join(log_dir, f"rank{rank}.log")
+        envs[rank] = env
+    specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL if log_dir else Std.NONE)
+    processes = start_processes(name="tdmesh-worker", entrypoint=sys.executable,
+                                args={r: ("-m", "tdmesh.worker", "--serve") for r in range(world)},
+                                envs=envs, logs_specs=specs)
+    log_files = {}
+    if log_dir:
+        for rank in range(world):
+            log_files[rank] = processes.stderrs.get(rank) if hasattr(processes, "stderrs") else None
+        where = os.path.dirname(os.path.dirname(next(iter(log_files.values())) or log_dir))
+    else:
+        where = "this terminal"
+    print(f"tdmesh: {world} {'GPU' if cuda else 'CPU'} workers ({hosts} host x {gpus_per_host}, {backend}); "
+          f"worker logs: {where}", file=sys.stderr, flush=True)
+
+    def failed() -> str | None:
+        result = processes.wait(timeout=0)
+        if result is not None and result.is_failed():
+            return "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(result.failures.items()))
+        if result is not None:
+            return "every worker exited before connecting"
+        return None
+
+    try:
+        conns, hellos = accept_workers(store, world, host="127.0.0.1", bind="127.0.0.1", scope=scope, alive=failed)
+    except BaseException:
+        processes.close()
+        raise
+    hellos = {r: h._replace(log=log_files.get(r) or h.log) for r, h in hellos.items()}
+    from .client import Client
+    client = Client(conns, hellos, log_dir=log_dir)
+    return Fleet(client, processes, store, log_files)
+
+
+def _mesh_for(fleet: Fleet, hosts: int, gpus_per_host: int) -> DeviceMesh:
+    mesh = DeviceMesh(Shape(("host", "gpu"), Slice.new_row_major([hosts, gpus_per_host])), fleet.client)
+    mesh._fleet = fleet
+    return mesh
+
+
+@contextlib.contextmanager
+def local_mesh(hosts: int = 1, gpus_per_host: int | None = None, *, backend: str | None = None,
+               log_dir: str | None = None, supervision=None, controller=None) -> Iterator[DeviceMesh]:
+    """A mesh of ``hosts x gpus_per_host`` fresh worker processes on this machine.
+
+    ``gpus_per_host=None`` means the visible CUDA devices, or 2 CPU workers without CUDA.
+    Logs go to this terminal, or to per-process files under ``log_dir``.  Leaving the block
+    shuts the fleet down and raises any remote error nobody observed.
+    """
+    with local_meshes(1, hosts, gpus_per_host, backend=backend, log_dir=log_dir,
+                      supervision=supervision, controller=controller) as meshes:
+        yield meshes[0]
+
+
+@contextlib.contextmanager
+def local_meshes(meshes: int = 2, hosts_per_mesh: int = 1, gpus_per_host: int | None = None, *,
+                 backend: str | None = None, log_dir: str | None = None, supervision=None,
+                 controller=None) -> Iterator[list[DeviceMesh]]:
+    """Several independent fleets at once; a failure in one leaves the others usable."""
+    gpus = _default_gpus() if gpus_per_host is None else gpus_per_host
+    if gpus < 1:
+        gpus = 2
+    fleets: list[Fleet] = []
+    try:
+        for i in range(meshes):
+            sub_dir = os.path.join(log_dir, f"mesh{i}") if log_dir and meshes > 1 else log_dir
+            offset = i * hosts_per_mesh * gpus if torch.cuda.is_available() else 0
+            fleets.append(_start_local_fleet(hosts_per_mesh, gpus, backend, sub_dir, offset))
+        result = [_mesh_for(f, hosts_per_mesh, gpus) for f in fleets]
+    except BaseException:
+        for f in fleets:
+            f.exit("startup failed")
+        raise
+    try:
+        yield result
+    except BaseException as e:
+        for f in fleets:
+            with contextlib.suppress(Exception):
+                f.exit(f"the client raised {type(e).__name__}: {e}")
+        raise
+    errors = []
+    for f in fleets:
+        try:
+            f.exit()
+        except Exception as e:  # raise the first unobserved error after every fleet is down
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+def world_mesh() -> DeviceMesh:
+    """Inside a script run by ``torchrun -m tdmesh.worker``: the mesh of every rank."""
+    if _world is None:
+        raise RuntimeError("tdmesh.world_mesh() only works in a script launched as\n"
+                           "  torchrun --nproc_per_node N -m tdmesh.worker script.py\n"
+                           "elsewhere, start workers with `with tdmesh.local_mesh(hosts=1, gpus_per_host=N) as mesh:`")
+    return _world
+
+
+def _connect_world() -> Fleet:
+    """In rank 0's client process: accept every torchrun rank's worker."""
+    global _world
+    from .client import Client
+    from .fleet import controller_host
+    from .rendezvous import connect_store
+    world = int(os.environ["WORLD_SIZE"])
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    store = connect_store()
+    conns, hellos = accept_workers(store, world, host=controller_host(), bind="0.0.0.0")
+    fleet = Fleet(Client(conns, hellos), store=store)
+    _world = _mesh_for(fleet, world // per_host, per_host)
+    return fleet

@@ -1,0 +1,102 @@
+"""The whole wire protocol: one typed record per message.
+
+Client -> worker messages carry ``Ref`` placeholders where tensors go; worker -> client
+messages report values, root failures and progress.  Records are NamedTuples because
+they pickle small and fast, and the hot path pickles one per op.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+
+class Ref(NamedTuple):
+    """A worker-side value named by the client's integer ref id."""
+    id: int
+
+
+# --------------------------------------------------------------------- client -> worker
+class CallFunction(NamedTuple):
+    """Run ``function(*args, **kwargs)``; bind flattened results to ``results``
+    (``None`` slots are dropped); on failure poison ``results`` and ``mutates``."""
+    seq: int
+    results: tuple            # tuple[int | None, ...]
+    mutates: tuple            # tuple[int, ...]
+    function: Any             # str import path, or bytes (a pickled callable)
+    args: tuple
+    kwargs: dict
+    stream: int = 0
+
+
+class SendValue(NamedTuple):
+    """Send ``function(*args, **kwargs)`` (or ``args[0]`` with no function) back as a FetchResult."""
+    seq: int
+    mutates: tuple
+    function: Any
+    args: tuple
+    kwargs: dict
+    stream: int = 0
+
+
+class DeleteRefs(NamedTuple):
+    refs: tuple
+
+
+class RequestStatus(NamedTuple):
+    """Answer ``Status(seq + 1)`` once everything sent before this has run."""
+    seq: int
+
+
+class CommandGroup(NamedTuple):
+    commands: tuple
+
+
+class Exit(NamedTuple):
+    """Leave the message loop; ``error`` is why the client is shutting the fleet down."""
+    error: Optional[str] = None
+
+
+# --------------------------------------------------------------------- worker -> client
+class Hello(NamedTuple):
+    """First frame a worker sends: who it is, proven with the job token."""
+    rank: int
+    token: str
+    hostname: str
+    pid: int
+    device: str               # "cpu" or "cuda:N"
+    log: Optional[str]
+
+
+class FetchResult(NamedTuple):
+    seq: int
+    value: Any                # pickled bytes of the value, or None when ``error`` is set
+    error: Any = None         # a DependentError when the value depends on a failure
+
+
+class RemoteFunctionFailed(NamedTuple):
+    """A root failure: reported once, by the rank where it happened."""
+    seq: int
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+
+
+class Status(NamedTuple):
+    """Every seq below ``first_uncompleted`` has finished on ``rank``."""
+    rank: int
+    first_uncompleted: int
+
+
+class DependentError(NamedTuple):
+    """Marks a worker value that could not be computed because ``seq`` failed."""
+    seq: int
+
+
+CLIENT_TO_WORKER = (CallFunction, SendValue, DeleteRefs, RequestStatus, CommandGroup, Exit)
+WORKER_TO_CLIENT = (Hello, FetchResult, RemoteFunctionFailed, Status)
+
+
+class MeshArg(NamedTuple):
+    """A ``DeviceMesh`` argument; the worker substitutes its own view of that mesh."""
+    shape: Any

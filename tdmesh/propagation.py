@@ -1,0 +1,143 @@
+"""Output metadata of an op without running it: shapes, strides, dtypes and aliasing.
+
+Ops run on the meta device (fake tensors only where a meta kernel is missing) and the
+answer is cached by the op and its arguments' metadata: a training loop repeats the same
+few hundred (op, shapes) pairs, so after the first step propagation is a dict lookup.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+_META = torch.device("meta")
+
+
+class TensorMeta(NamedTuple):
+    size: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+
+
+class OpAliasing(NamedTuple):
+    """From the op schema: which arguments it writes, and which argument each return aliases."""
+    mutated_args: tuple          # schema argument positions written in place
+    return_aliases: tuple        # per return: (argument position or None, is_write, is_list)
+
+
+_aliasing_cache: dict = {}
+
+
+def op_aliasing(func) -> OpAliasing:
+    try:
+        return _aliasing_cache[func]
+    except KeyError:
+        pass
+    schema = func._schema
+    by_set: dict[str, int] = {}
+    mutated = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is not None:
+            for s in info.before_set:
+                by_set.setdefault(s, i)
+            if info.is_write:
+                mutated.append(i)
+    returns = []
+    for ret in schema.returns:
+        info = ret.alias_info
+        is_list = isinstance(ret.type, torch.ListType)
+        if info is None:
+            returns.append((None, False, is_list))
+        else:
+            source = next((by_set[s] for s in info.before_set if s in by_set), None)
+            returns.append((source, info.is_write, is_list))
+    result = OpAliasing(tuple(mutated), tuple(returns))
+    _aliasing_cache[func] = result
+    return result
+
+
+def schema_arg(func, args: tuple, kwargs: dict, position: int):
+    """The value bound to schema argument ``position`` in this call."""
+    if position < len(args):
+        return args[position]
+    return kwargs.get(func._schema.arguments[position].name)
+
+
+def meta_tensor(meta: TensorMeta) -> torch.Tensor:
+    """An empty meta tensor with exactly this size, stride and storage offset."""
+    size, stride, offset, dtype = meta
+    extent = offset + (1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0)
+    base = torch.empty((extent,), dtype=dtype, device=_META)
+    return base.as_strided(size, stride, offset)
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+
+class Propagated(NamedTuple):
+    spec: Any                    # tree spec of the output
+    leaves: tuple                # TensorMeta per tensor leaf, or ("value", v) for non-tensor leaves
+
+
+_cache: dict = {}
+stats = {"hits": 0, "misses": 0}
+
+
+def propagate(func, args: tuple, kwargs: dict, leaf_metas: list, key_leaves: tuple, spec) -> Propagated:
+    """Run ``func`` on meta stand-ins; ``leaf_metas`` maps flat-arg positions to TensorMeta."""
+    try:
+        key = (func, spec, key_leaves)
+        hit = _cache.get(key)
+    except TypeError:  # an unhashable argument: propagate without caching
+        key, hit = None, None
+    if hit is not None:
+        stats["hits"] += 1
+        return hit
+    stats["misses"] += 1
+    out = _run_on_meta(func, args, kwargs, leaf_metas)
+    flat, out_spec = tree_flatten(out)
+    leaves = tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else ("value", x) for x in flat)
+    result = Propagated(out_spec, leaves)
+    if key is not None and len(_cache) < 100_000:
+        _cache[key] = result
+    return result
+
+
+def _run_on_meta(func, args, kwargs, leaf_metas):
+    def to_meta(x):
+        meta = leaf_metas.get(id(x))
+        if meta is not None:
+            return meta_tensor(meta)
+        if isinstance(x, torch.device):
+            return _META
+        if isinstance(x, torch.Tensor):  # local data shipped to the mesh (torch.tensor(...))
+            return x.to(_META)
+        return x
+
+    meta_args = tree_map(to_meta, args)
+    meta_kwargs = tree_map(to_meta, kwargs)
+    try:
+        return func(*meta_args, **meta_kwargs)
+    except NotImplementedError:
+        return _run_on_fake(func, args, kwargs, leaf_metas)
+
+
+def _run_on_fake(func, args, kwargs, leaf_metas):
+    """Fallback for ops without a meta kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def to_fake(x):
+        meta = leaf_metas.get(id(x))
+        if meta is not None:
+            return mode.from_tensor(torch.empty_strided(meta.size, meta.stride, dtype=meta.dtype))
+        return x
+
+    with mode:
+        out = func(*tree_map(to_fake, args), **tree_map(to_fake, kwargs))
+    return tree_map(lambda x: meta_tensor(tensor_meta(x)) if isinstance(x, torch.Tensor) else x, out)

@@ -1,0 +1,166 @@
+"""Remote functions: run a Python function on every worker of a mesh.
+
+``tdmesh.remote(fn_or_path, propagate=...)`` ships the function by import path when it has
+one (``"os.path.split"``, an aten op, a module-level function) and by (cloud)pickle
+otherwise.  ``propagate`` tells the client what the call returns without running it: a
+callable run on meta tensors, or ``"inspect"`` for functions called for side effects.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import sys
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from . import messages as m
+from ._context import active_mesh_or_none
+from .propagation import meta_tensor, tensor_meta
+from .tensor import Tensor, _Aliases, _describe, _op_path, _wire, user_line
+
+__all__ = ["remote", "Remote", "function_path"]
+
+
+def function_path(fn) -> str | bytes:
+    """How ``fn`` travels: an import path when one leads back to it, else pickled bytes."""
+    if isinstance(fn, str):
+        if "." not in fn:
+            raise ValueError(f"remote function path {fn!r} must be a dotted import path like 'os.path.split'")
+        return fn
+    if isinstance(fn, torch._ops.OpOverload):
+        return _op_path(fn)
+    if isinstance(fn, Remote):
+        return fn._target
+    if not callable(fn):
+        raise ValueError(f"Unsupported target for a remote function: {fn!r} is neither callable nor an import path")
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", "")
+    if module and module != "__main__" and "<" not in qualname:
+        try:
+            obj = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+            if obj is fn:
+                return f"{module}.{qualname}"
+        except (ImportError, AttributeError):
+            pass
+    try:
+        import cloudpickle
+        return cloudpickle.dumps(fn)
+    except ImportError:
+        pass
+    try:
+        return pickle.dumps(fn)
+    except Exception as e:
+        raise ValueError(f"cannot ship {fn!r} to the workers: it has no import path and does not pickle "
+                         f"({type(e).__name__}: {e}); define it at module level or install cloudpickle") from e
+
+
+class Remote:
+    """A function that runs on the workers; calling it under a mesh returns remote tensors."""
+
+    def __init__(self, target, propagate=None) -> None:
+        if propagate is not None and propagate != "inspect" and not callable(propagate):
+            raise ValueError(f"propagate must be a callable, 'inspect' or None, got {propagate!r}")
+        self._target = function_path(target)
+        self._propagate = propagate
+        self.__name__ = getattr(target, "__name__", str(target))
+
+    def __repr__(self) -> str:
+        return f"<tdmesh.remote {self.__name__}>"
+
+    def __call__(self, *args, **kwargs):
+        return call_remote(self, args, kwargs)
+
+
+def remote(fn=None, *, propagate=None):
+    """``remote(fn_or_path, propagate=...)`` or the decorators ``@remote`` / ``@remote(propagate=...)``."""
+    if fn is None:
+        return lambda f: Remote(f, propagate)
+    return Remote(fn, propagate)
+
+
+def _mesh_of(flat) -> Any:
+    mesh = None
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            if type(x) is not Tensor:
+                raise TypeError(f"LOCAL_TENSOR: remote functions take tensors on the mesh, got "
+                                f"{_describe(x)}\n  at {user_line()}")
+            if mesh is None:
+                mesh = x._mesh
+            elif x._mesh is not mesh:
+                raise TypeError(f"WRONG_MESH: remote function arguments live on two meshes "
+                                f"({mesh.shape} and {x._mesh.shape})\n  at {user_line()}")
+            if x.dropped:
+                raise TypeError(f"DROPPED: tensor {x.ref} was dropped and cannot be passed\n  at {user_line()}")
+    if mesh is None:
+        mesh = active_mesh_or_none()
+    if mesh is None:  # no tensors, no active mesh: a mesh argument says where
+        from .mesh import DeviceMesh
+        mesh = next((x for x in flat if isinstance(x, DeviceMesh)), None)
+    if mesh is None:
+        raise ValueError("Remote functions require an active device mesh, use `with mesh.activate():`")
+    return mesh
+
+
+def call_remote(fn: Remote, args: tuple, kwargs: dict):
+    flat, _ = tree_flatten((args, kwargs))
+    mesh = _mesh_of(flat)
+    client = mesh.client
+    remote_args = [x for x in flat if type(x) is Tensor]
+    if fn._propagate == "inspect":
+        outputs, out_leaves, mutated = None, [], []
+    elif fn._propagate is None or fn._propagate == "cached":
+        raise NotImplementedError(f"{fn!r}: propagate=None ('cached' propagation) is not available yet; "
+                                  f"pass propagate=<callable returning meta tensors> or 'inspect'")
+    else:
+        outputs, out_leaves, mutated = _propagate_with(fn._propagate, args, kwargs)
+    with client.lock:
+        results = []
+        proxies = []
+        for leaf, source in out_leaves:
+            ref = client.new_ref()
+            aliases = source._r.aliases if source is not None else _Aliases()
+            proxies.append(Tensor(tensor_meta(leaf), client.device, mesh, ref, aliases))
+            results.append(ref)
+        mutated_refs = [r for t in mutated for r in t._r.aliases.refs]
+        seq = client.new_seq()
+        msg = m.CallFunction(seq, tuple(results), tuple(mutated_refs), fn._target, _wire(args), _wire(kwargs))
+        client.send(mesh, msg, seq, [t.ref for t in remote_args], results + mutated_refs)
+    if outputs is None:
+        return None
+    return tree_unflatten(proxies, outputs)
+
+
+def _propagate_with(propagate: Callable, args, kwargs):
+    """Run the user's propagator on meta stand-ins; detect outputs, aliasing and mutation."""
+    originals: dict[int, Tensor] = {}
+
+    def to_meta(x):
+        if type(x) is Tensor:
+            meta = meta_tensor(tensor_meta(x))
+            originals[id(meta)] = x
+            return meta
+        return x
+
+    meta_args = tree_map(to_meta, args)
+    meta_kwargs = tree_map(to_meta, kwargs)
+    metas = [x for x in tree_flatten((meta_args, meta_kwargs))[0] if isinstance(x, torch.Tensor)]
+    versions = [t._version for t in metas]
+    try:
+        with torch.device("meta"):
+            out = propagate(*meta_args, **meta_kwargs)
+    except Exception as e:
+        raise type(e)(f"{e}\n  (raised by the propagate function on the client)\n  at {user_line()}") from e
+    mutated = [originals[id(t)] for t, v in zip(metas, versions) if t._version != v]
+    flat_out, spec = tree_flatten(out)
+    leaves = []
+    for x in flat_out:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"the propagate function must return tensors (a pytree of them), got {type(x).__name__}")
+        leaves.append((x, originals.get(id(x))))
+    return spec, leaves, mutated

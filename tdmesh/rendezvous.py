@@ -1,0 +1,70 @@
+"""Finding each other through the c10d store that torchrun (or ``local_mesh``) runs.
+
+The controller publishes its address and a random token under keys scoped by the elastic
+run id and restart count, so a restarted job never reads a stale controller.  Workers read
+them, connect and prove they belong to the job with the token.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+SHUTDOWN = "shutdown"
+
+
+def _scope() -> str:
+    """Key prefix of this job attempt: explicit under local_mesh, else torchrun's run id and restart."""
+    return os.environ.get("TDMESH_SCOPE") or (
+        f"tdmesh/{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{restart_count()}")
+
+
+def restart_count() -> int:
+    """How many times torchelastic has restarted this job (0 on the first run)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def store_address() -> tuple[str, int]:
+    """Where this process finds the job's c10d store."""
+    spec = os.environ.get("TDMESH_STORE")
+    if spec:
+        host, port = spec.rsplit(":", 1)
+        return host, int(port)
+    try:
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except KeyError:
+        raise RuntimeError("no c10d store to rendezvous with: run under torchrun "
+                           "(torchrun --nproc_per_node N -m tdmesh.worker script.py) or use tdmesh.local_mesh()") from None
+
+
+def connect_store(timeout: float = 1800.0) -> TCPStore:
+    host, port = store_address()
+    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def publish_controller(store: TCPStore, host: str, port: int, token: str, scope: str | None = None) -> None:
+    scope = scope or _scope()
+    store.set(scope + "/token", token)
+    store.set(scope + "/controller", f"{host}:{port}")
+
+
+def publish_shutdown(store: TCPStore, scope: str | None = None) -> None:
+    """Tell workers waiting for a controller that none is coming."""
+    store.set((scope or _scope()) + "/controller", SHUTDOWN)
+
+
+def read_controller(store: TCPStore) -> tuple[str, int, str] | None:
+    """Block until the controller is published; ``None`` if the job ended without one."""
+    address = store.get(_scope() + "/controller").decode()
+    if address == SHUTDOWN:
+        return None
+    token = store.get(_scope() + "/token").decode()
+    host, port = address.rsplit(":", 1)
+    return host, int(port), token

@@ -1,0 +1,320 @@
+"""The client's remote tensor: a ``torch.Tensor`` wrapper subclass naming a worker value.
+
+Every aten op on one of these (or, under an active mesh, every factory call) becomes a
+``CallFunction`` for the workers of the tensor's mesh.  Metadata comes from
+:mod:`tdmesh.propagation`, so the result is available at once and nothing blocks.
+Autograd runs on the client over these wrappers, so its backward ops are remote too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import messages as m
+from ._context import active_mesh_or_none
+from .propagation import TensorMeta, op_aliasing, propagate, schema_arg
+
+_TDMESH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_SKIP = (_TDMESH_DIR, _TORCH_DIR, "<frozen", os.path.dirname(os.__file__) + os.sep + "contextlib")
+
+# Ops whose answer is a Python value on the client: they need a fetch, not a dispatch.
+_NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item"}
+
+
+def call_site() -> list:
+    """(filename, lineno, name) of the user's innermost frames: cheap enough for every op."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP):
+        frame = frame.f_back
+    site = []
+    while frame is not None and len(site) < 6:
+        site.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return site
+
+
+def user_line() -> str:
+    site = call_site()
+    if not site:
+        return "<unknown>"
+    filename, lineno, name = site[0]
+    return f'File "{filename}", line {lineno}, in {name}'
+
+
+def frames(site) -> list[traceback.FrameSummary]:
+    return [traceback.FrameSummary(f, l, n) for f, l, n in reversed(site or [])]
+
+
+class _Ref:
+    """Owns one worker ref; when the last proxy holding it dies, the ref is deleted remotely."""
+    __slots__ = ("id", "mesh", "aliases", "dropped_at", "__weakref__")
+
+    def __init__(self, ref_id: int, mesh, aliases: "_Aliases") -> None:
+        self.id = ref_id
+        self.mesh = mesh
+        self.aliases = aliases
+        self.dropped_at = None
+        aliases.refs[ref_id] = self
+
+    def __del__(self) -> None:
+        try:
+            self.aliases.refs.pop(self.id, None)
+            if self.dropped_at is None:
+                self.mesh.client.delete_ref(self.id, self.mesh)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class _Aliases:
+    """The refs that share one worker storage: mutating any of them changes all of them."""
+    __slots__ = ("refs",)
+
+    def __init__(self) -> None:
+        self.refs: dict[int, _Ref] = {}
+
+
+class Tensor(torch.Tensor):
+    """A tensor that lives on every worker of ``mesh``; its metadata is local, its data remote."""
+
+    _r: _Ref
+    _mesh: Any
+    _stream: int
+
+    @staticmethod
+    def __new__(cls, meta: TensorMeta, device, mesh, ref_id: int, aliases: _Aliases, stream: int = 0):
+        t = torch.Tensor._make_wrapper_subclass(cls, meta.size, strides=meta.stride,
+                                                storage_offset=meta.offset, dtype=meta.dtype,
+                                                device=device, requires_grad=False)
+        t._r = _Ref(ref_id, mesh, aliases)
+        t._mesh = mesh
+        t._stream = stream
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
+
+    @property
+    def mesh(self):
+        return self._mesh
+
+    @property
+    def stream(self):
+        return self._stream
+
+    @property
+    def ref(self) -> int:
+        return self._r.id
+
+    @property
+    def dropped(self) -> bool:
+        return self._r.dropped_at is not None
+
+    def drop(self) -> None:
+        """Free this tensor and every view sharing its memory on the workers, now."""
+        if self._r.dropped_at is not None:
+            return
+        site = call_site()
+        refs = list(self._r.aliases.refs.values())
+        for r in refs:
+            r.dropped_at = site
+        self._mesh.client.delete_refs([r.id for r in refs], self._mesh)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        state = " dropped" if self.dropped else ""
+        return (f"tdmesh.Tensor(shape={list(self.shape)}, dtype={self.dtype}, device={self.device}, "
+                f"mesh={self._mesh.shape}, ref={self._r.id}{state})")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a tdmesh.Tensor cannot be pickled: its data lives on the workers; "
+                        "fetch it with tdmesh.fetch_shard(t).result()")
+
+
+def _describe(t) -> str:
+    if isinstance(t, Tensor):
+        return f"tdmesh.Tensor(ref={t._r.id}, shape={list(t.shape)}, mesh={t._mesh.shape})"
+    return f"local tensor(shape={list(t.shape)}, device={t.device})"
+
+
+def dispatch(func, args: tuple, kwargs: dict):
+    """Turn one aten call into a remote op and return its result proxies."""
+    name = func._schema.name
+    if name in _NEEDS_VALUE:
+        raise TypeError(f"{func} needs the tensor's value on the client (e.g. .item(), bool(t), "
+                        f"torch.equal); fetch it first: tdmesh.fetch_shard(t).result()\n  at {user_line()}")
+    flat, spec = tree_flatten((args, kwargs))
+    mesh = None
+    local = []
+    remote = []
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            if type(x) is Tensor:
+                remote.append(x)
+                if mesh is None:
+                    mesh = x._mesh
+            else:
+                local.append(x)
+    if mesh is None:
+        mesh = active_mesh_or_none()
+        if mesh is None:  # no_mesh, or an op that only touches local tensors
+            return func(*args, **kwargs)
+    client = mesh.client
+    if client is None:
+        raise RuntimeError(f"{mesh!r} is a pure geometry value with no fleet; get a live mesh from "
+                           f"tdmesh.local_mesh() or tdmesh.world_mesh()")
+    if local:
+        if name in ("aten::lift_fresh", "aten::lift") and not remote:
+            return _ship_local(func, local[0], mesh)
+        raise TypeError(f"LOCAL_TENSOR: {func} mixes a local tensor with the mesh {mesh.shape}:\n"
+                        f"  {_describe(local[0])}\nmove it to the mesh with torch.tensor(...) under "
+                        f"`with mesh.activate():`, or run local code under tdmesh.no_mesh.activate()\n"
+                        f"  at {user_line()}")
+    for t in remote:
+        if t._mesh is not mesh:
+            raise TypeError(f"WRONG_MESH: {func} mixes tensors from two meshes:\n  {_describe(remote[0])}\n"
+                            f"  {_describe(t)}\nmove one with t.to_mesh(other_mesh)\n  at {user_line()}")
+        if t._r.dropped_at is not None:
+            raise TypeError(f"DROPPED: tensor {t._r.id} is dropped at:\n"
+                            f"{''.join(traceback.format_list(frames(t._r.dropped_at)))}"
+                            f"and cannot be used in {func}\n  at {user_line()}")
+    return _dispatch_remote(func, args, kwargs, flat, spec, remote, mesh, client)
+
+
+def _dispatch_remote(func, args, kwargs, flat, spec, remote, mesh, client):
+    device = client.device
+    if not remote and "device" in kwargs:
+        device = kwargs["device"] if kwargs["device"] is not None else client.device
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
+    elif remote:
+        device = remote[0].device
+    metas = {}
+    key = []
+    for x in flat:
+        if type(x) is Tensor:
+            meta = TensorMeta(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype)
+            metas[id(x)] = meta
+            key.append(meta)
+        else:
+            key.append(x)
+    try:
+        out = propagate(func, args, kwargs, metas, tuple(key), spec)
+    except Exception as e:
+        # Errors that metadata reveals are the user's, raised at their line as local torch would.
+        raise type(e)(f"{e}\n  (tdmesh: raised while checking {func} on the client, before anything was sent)"
+                      f"\n  at {user_line()}") if _retypable(e) else e
+    aliasing = op_aliasing(func)
+    mutated_refs: list[int] = []
+    for position in aliasing.mutated_args:
+        target = schema_arg(func, args, kwargs, position)
+        for t in (target if isinstance(target, (list, tuple)) else (target,)):
+            if type(t) is Tensor:
+                mutated_refs.extend(t._r.aliases.refs)
+    results: list = []
+    outputs: list = []
+    leaf_sources = _leaf_sources(aliasing, out, func, args, kwargs)
+    with client.lock:
+        for leaf, (source, is_write) in zip(out.leaves, leaf_sources):
+            if type(leaf) is tuple and leaf and leaf[0] == "value":
+                raise TypeError(f"{func} returns a Python value ({leaf[1]!r}) that needs a fetch\n  at {user_line()}")
+            if is_write and type(source) is Tensor:
+                outputs.append(source)  # in-place / out=: the result is the argument itself
+                results.append(None)
+                continue
+            aliases = source._r.aliases if type(source) is Tensor else None
+            if aliases is None:
+                aliases = _Aliases()
+            ref = client.new_ref()
+            outputs.append(Tensor(leaf, device, mesh, ref, aliases))
+            results.append(ref)
+        seq = client.new_seq()
+        msg = m.CallFunction(seq, tuple(results), tuple(mutated_refs), _op_path(func),
+                             _wire(args), _wire(kwargs) if kwargs else {})
+        uses = [t._r.id for t in remote]
+        defs = [r for r in results if r is not None] + mutated_refs
+        client.send(mesh, msg, seq, uses, defs)
+    return tree_unflatten(outputs, out.spec)
+
+
+def _leaf_sources(aliasing, out, func, args, kwargs):
+    """For each output leaf: (the argument it aliases or None, whether it is written)."""
+    returns = aliasing.return_aliases
+    n = len(out.leaves)
+    if len(returns) == 1 and (returns[0][2] or n == 1):
+        source, is_write, _ = returns[0]
+        value = schema_arg(func, args, kwargs, source) if source is not None else None
+        return [(value, is_write)] * n
+    if len(returns) == n:
+        return [((schema_arg(func, args, kwargs, s) if s is not None else None), w) for s, w, _ in returns]
+    return [(None, False)] * n
+
+
+def _retypable(e: Exception) -> bool:
+    try:
+        type(e)("probe")
+        return True
+    except Exception:
+        return False
+
+
+_op_paths: dict = {}
+
+
+def _op_path(func) -> str:
+    path = _op_paths.get(func)
+    if path is None:
+        path = f"torch.ops.{func.namespace}.{func._schema.name.split('::')[1]}.{func._overloadname}"
+        _op_paths[func] = path
+    return path
+
+
+def _wire(obj):
+    """Arguments as they travel: proxies become Refs; containers are rebuilt only if needed."""
+    t = type(obj)
+    if t is Tensor:
+        return m.Ref(obj._r.id)
+    if t is tuple or t is list:
+        return t(_wire(x) for x in obj)
+    if t is dict:
+        return {k: _wire(v) for k, v in obj.items()}
+    if t is torch.Tensor or isinstance(obj, torch.Tensor):
+        return obj
+    mesh_shape = getattr(obj, "_tdmesh_mesh_shape", None)
+    if mesh_shape is not None:
+        return m.MeshArg(mesh_shape)
+    return obj
+
+
+def _ship_local(func, data: torch.Tensor, mesh):
+    """``torch.tensor(data)`` under a mesh: the data travels with the op."""
+    client = mesh.client
+    device = client.device
+    meta = TensorMeta(tuple(data.shape), tuple(data.stride()), 0, data.dtype)
+    data = data.detach().clone()
+    with client.lock:
+        ref = client.new_ref()
+        out = Tensor(meta, device, mesh, ref, _Aliases())
+        seq = client.new_seq()
+        msg = m.CallFunction(seq, (ref,), (), "torch.ops.aten._to_copy.default", (data,), {"device": device})
+        client.send(mesh, msg, seq, [], [ref])
+    return out
+
+
+class _MeshMode(TorchDispatchMode):
+    """Active while any mesh is: factory calls and ops on remote tensors go to the mesh."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
+
+
+MESH_MODE = _MeshMode()

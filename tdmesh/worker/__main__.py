@@ -1,0 +1,74 @@
+"""torchrun entry point: every rank runs a worker; rank 0 also runs the user's script.
+
+    torchrun --nproc_per_node 8 -m tdmesh.worker train.py --lr 3e-4
+
+Rank 0 starts ``train.py`` (as ``__main__``, with its own argv) in a client process of its
+own before touching CUDA, so the client never shares a GIL with worker 0 and torchelastic
+still watches exactly one process per rank.  The job's exit code is the script's.
+Without a script the workers serve whatever controller the job's store announces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+HELP = __doc__ + """
+modes:
+  torchrun [flags] -m tdmesh.worker SCRIPT [ARGS...]   workers on every rank, SCRIPT on rank 0
+  torchrun [flags] -m tdmesh.worker --serve             workers only (tdmesh.local_mesh uses this)
+
+Inside SCRIPT, tdmesh.world_mesh() is the mesh of every rank, dims ("host", "gpu").
+environment: TDMESH_BACKEND (nccl|gloo), TDMESH_LOG_LEVEL; see tdmesh/config.py.
+"""
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m tdmesh.worker", description=HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--serve", action="store_true", help="run a worker and no script")
+    parser.add_argument("script", nargs="?", help="the client script, run on rank 0 as __main__")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser.parse_args(argv)
+
+
+def _start_client(script: str, script_args: list[str]) -> subprocess.Popen:
+    """The client process: the user's script plus the controller, spawned before any CUDA work."""
+    return subprocess.Popen([sys.executable, "-m", "tdmesh._script", script, *script_args])
+
+
+@record
+def main(argv=None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    if "RANK" not in os.environ:
+        print("tdmesh.worker must run under torchrun (or tdmesh.local_mesh):\n"
+              "  torchrun --nproc_per_node 2 -m tdmesh.worker script.py", file=sys.stderr)
+        return 2
+    from .loop import configure_logging, run_worker
+    configure_logging()
+    client = None
+    if args.script and int(os.environ["RANK"]) == 0:
+        if not os.path.exists(args.script):
+            print(f"tdmesh.worker: script {args.script!r} not found", file=sys.stderr)
+        client = _start_client(args.script, args.script_args)
+    try:
+        code = run_worker()
+    except BaseException:
+        if client is not None:
+            client.kill()
+        raise
+    if client is not None:
+        client_code = client.wait()
+        if client_code < 0:  # killed by a signal: report like a shell does
+            client_code = 128 - client_code
+        return client_code
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

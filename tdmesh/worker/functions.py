@@ -1,0 +1,71 @@
+"""Turning a function reference from the wire into a callable on the worker.
+
+The client sends an import path (``"torch.ops.aten.add.Tensor"``, ``"os.path.split"``)
+or the pickled bytes of a callable that has no importable path.  Resolution is cached:
+the hot path resolves the same few aten ops over and over.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+from typing import Any, Callable
+
+_cache: dict[Any, Callable] = {}
+
+
+class ResolveError(ValueError):
+    pass
+
+
+def resolve(function: Any) -> Callable:
+    """The callable named by ``function`` (an import path or pickled bytes)."""
+    try:
+        return _cache[function]
+    except (KeyError, TypeError):
+        pass
+    if isinstance(function, str):
+        fn = _import_path(function)
+    elif isinstance(function, bytes):
+        try:
+            fn = _loads(function)
+        except Exception as e:
+            raise ResolveError(f"failed to resolve function: could not unpickle it on the worker "
+                               f"({type(e).__name__}: {e})") from e
+    else:
+        raise ResolveError(f"failed to resolve function {function!r}: expected an import path or pickled bytes")
+    if not callable(fn):
+        raise ResolveError(f"failed to resolve function {function!r}: {type(fn).__name__} is not callable")
+    if len(_cache) < 4096:
+        _cache[function] = fn
+    return fn
+
+
+def _loads(data: bytes):
+    try:
+        import cloudpickle  # noqa: F401  (cloudpickled payloads unpickle with plain pickle once it is importable)
+    except ImportError:
+        pass
+    return pickle.loads(data)
+
+
+def _import_path(path: str) -> Callable:
+    parts = path.split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ResolveError(f"failed to resolve function {path!r}: expected a dotted path like 'os.path.split'")
+    module = None
+    error = None
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:i]))
+        except ImportError as e:
+            error = error or e
+            continue
+        obj = module
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError as e:
+            raise ResolveError(f"failed to resolve function {path!r}: {e}") from None
+        return obj
+    raise ResolveError(f"failed to resolve function {path!r}: no importable module ({error})")

@@ -1,0 +1,77 @@
+"""A worker's life: pick a device, join the process group, find the controller, serve."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .. import messages as m
+from ..config import env_int, env_str
+from ..rendezvous import _scope, connect_store, read_controller
+from ..transport import ProtocolError, connect
+from .interpreter import Interpreter, ProtocolViolation
+
+log = logging.getLogger("tdmesh.worker")
+
+
+def configure_logging() -> None:
+    level = env_str("TDMESH_LOG_LEVEL", "WARNING")
+    logging.basicConfig(level=level, format="[tdmesh worker %(process)d] %(levelname)s %(message)s")
+
+
+def pick_device() -> torch.device:
+    """``cuda:i`` for this rank when CUDA is present (one GPU per worker), else the CPU."""
+    if env_str("TDMESH_DEVICE", "") == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("TDMESH_DEVICE_INDEX", os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def run_worker() -> int:
+    """Serve one controller until it says Exit; returns the process exit code."""
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    device = pick_device()
+    backend = env_str("TDMESH_BACKEND", "") or ("nccl" if device.type == "cuda" else "gloo")
+    store = connect_store()
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.PrefixStore(_scope() + "/pg", store),
+                            rank=rank, world_size=world_size, **kwargs)
+    try:
+        found = read_controller(store)
+        if found is None:
+            log.info("rank %d: the job ended before a controller started", rank)
+            return 0
+        host, port, token = found
+        return _serve(rank, device, connect(host, port), token)
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve(rank: int, device: torch.device, conn, token: str) -> int:
+    conn.send_messages([m.Hello(rank, token, socket.gethostname(), os.getpid(), str(device),
+                                os.environ.get("TDMESH_LOG_FILE"))])
+    interp = Interpreter(rank, device, lambda msg: conn.send_messages([msg]))
+    try:
+        while interp.exit_request is None:
+            msgs = conn.recv_messages()
+            if msgs is None:
+                log.error("rank %d: the controller closed the connection without Exit; leaving", rank)
+                return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1)
+            for msg in msgs:
+                interp.handle(msg)
+    except (ProtocolError, ProtocolViolation, ConnectionError) as e:
+        log.error("rank %d: %s", rank, e)
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1)
+    finally:
+        conn.close()
+    if interp.exit_request.error is None:
+        return 0
+    if interp.caused_error:
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1)
+    return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1)
