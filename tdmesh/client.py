@@ -89,7 +89,7 @@ class Client:
                 self.history.add(seq, uses, defs, call_site(), future)
             data = encode(msg)
             buffers = self._buffers
-            for r in (mesh.processes if ranks is None else ranks):
+            for r in (mesh.rank_list if ranks is None else ranks):
                 buffers[r].append(data)
             self._buffered_bytes += len(data)
             if self._buffered_bytes > _FLUSH_BYTES or time.monotonic() - self._last_flush > _FLUSH_INTERVAL:
@@ -118,7 +118,7 @@ class Client:
             if refs:
                 self.history.forget_refs(refs)
                 data = encode(m.DeleteRefs(tuple(refs)))
-                for r in mesh.processes:
+                for r in mesh.rank_list:
                     self._buffers[r].append(data)
 
     def flush(self) -> None:

@@ -141,7 +141,7 @@ class Fleet:
         try:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                result = self.processes.wait(timeout=0.1)
+                result = self.processes.wait(timeout=0.1, period=0.02)
                 if result is not None:
                     break
         finally:

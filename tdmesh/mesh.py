@@ -56,6 +56,14 @@ class DeviceMesh:
         """The global ranks of this mesh as a :class:`Slice`."""
         return self._shape.slice
 
+    @property
+    def rank_list(self) -> tuple[int, ...]:
+        """The global ranks in mesh order (cached: the send path walks it for every op)."""
+        ranks = self.__dict__.get("_rank_list")
+        if ranks is None:
+            ranks = self.__dict__["_rank_list"] = tuple(self._shape.slice)
+        return ranks
+
     def size(self, dims: None | str | Sequence[str] = None) -> int:
         """Ranks along ``dims``: all dims for ``None``, a product for a sequence."""
         return self._shape.size(dims)

@@ -82,16 +82,18 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta:
 class Propagated(NamedTuple):
     spec: Any                    # tree spec of the output
     leaves: tuple                # TensorMeta per tensor leaf, or ("value", v) for non-tensor leaves
+    single: bool                 # the output is one tensor (no unflattening needed)
 
 
 _cache: dict = {}
 stats = {"hits": 0, "misses": 0}
 
 
-def propagate(func, args: tuple, kwargs: dict, leaf_metas: list, key_leaves: tuple, spec) -> Propagated:
-    """Run ``func`` on meta stand-ins; ``leaf_metas`` maps flat-arg positions to TensorMeta."""
+def propagate(func, args: tuple, kwargs: dict, leaf_metas: dict, key) -> Propagated:
+    """Run ``func`` on meta stand-ins; ``leaf_metas`` maps id(proxy) to its TensorMeta;
+    ``key`` describes the arguments' structure, metadata and values (for the cache)."""
     try:
-        key = (func, spec, key_leaves)
+        key = (func, key)
         hit = _cache.get(key)
     except TypeError:  # an unhashable argument: propagate without caching
         key, hit = None, None
@@ -102,7 +104,7 @@ def propagate(func, args: tuple, kwargs: dict, leaf_metas: list, key_leaves: tup
     out = _run_on_meta(func, args, kwargs, leaf_metas)
     flat, out_spec = tree_flatten(out)
     leaves = tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else ("value", x) for x in flat)
-    result = Propagated(out_spec, leaves)
+    result = Propagated(out_spec, leaves, out_spec.is_leaf() and isinstance(out, torch.Tensor))
     if key is not None and len(_cache) < 100_000:
         _cache[key] = result
     return result

@@ -148,6 +148,8 @@ class Shape:
     # -- reshaping -------------------------------------------------------------------------
     def rename(self, /, **renames: str) -> "Shape":
         """Rename dims; ranks, sizes and strides are unchanged."""
+        for old in renames:
+            self.dim(old)  # an unknown dim is an UnknownDimError, not a split size constraint
         return self.split(**{old: (new,) for old, new in renames.items()})
 
     def split(self, /, **kw: Sequence[str] | int) -> "Shape":

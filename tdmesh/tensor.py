@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
 from . import messages as m
 from ._context import active_mesh_or_none
@@ -94,6 +94,7 @@ class Tensor(torch.Tensor):
                                                 storage_offset=meta.offset, dtype=meta.dtype,
                                                 device=device, requires_grad=False)
         t._r = _Ref(ref_id, mesh, aliases)
+        t._meta = meta
         t._mesh = mesh
         t._stream = stream
         return t
@@ -146,25 +147,34 @@ def _describe(t) -> str:
     return f"local tensor(shape={list(t.shape)}, device={t.device})"
 
 
+def _scan(obj, remote: list, local: list):
+    """One pass over an op's arguments: collect tensors, and build the propagation cache key."""
+    t = type(obj)
+    if t is Tensor:
+        remote.append(obj)
+        return obj._meta
+    if t is tuple or t is list:
+        return (t, tuple([_scan(x, remote, local) for x in obj]))
+    if t is dict:
+        return (dict, tuple([(k, _scan(v, remote, local)) for k, v in obj.items()]))
+    if isinstance(obj, torch.Tensor):
+        local.append(obj)
+        return ("local", id(obj))
+    return obj
+
+
 def dispatch(func, args: tuple, kwargs: dict):
     """Turn one aten call into a remote op and return its result proxies."""
     name = func._schema.name
     if name in _NEEDS_VALUE:
         raise TypeError(f"{func} needs the tensor's value on the client (e.g. .item(), bool(t), "
                         f"torch.equal); fetch it first: tdmesh.fetch_shard(t).result()\n  at {user_line()}")
-    flat, spec = tree_flatten((args, kwargs))
-    mesh = None
-    local = []
-    remote = []
-    for x in flat:
-        if isinstance(x, torch.Tensor):
-            if type(x) is Tensor:
-                remote.append(x)
-                if mesh is None:
-                    mesh = x._mesh
-            else:
-                local.append(x)
-    if mesh is None:
+    remote: list = []
+    local: list = []
+    key = (_scan(args, remote, local), _scan(kwargs, remote, local) if kwargs else None)
+    if remote:
+        mesh = remote[0]._mesh
+    else:
         mesh = active_mesh_or_none()
         if mesh is None:  # no_mesh, or an op that only touches local tensors
             return func(*args, **kwargs)
@@ -187,28 +197,20 @@ def dispatch(func, args: tuple, kwargs: dict):
             raise TypeError(f"DROPPED: tensor {t._r.id} is dropped at:\n"
                             f"{''.join(traceback.format_list(frames(t._r.dropped_at)))}"
                             f"and cannot be used in {func}\n  at {user_line()}")
-    return _dispatch_remote(func, args, kwargs, flat, spec, remote, mesh, client)
+    return _dispatch_remote(func, args, kwargs, key, remote, mesh, client)
 
 
-def _dispatch_remote(func, args, kwargs, flat, spec, remote, mesh, client):
-    device = client.device
-    if not remote and "device" in kwargs:
-        device = kwargs["device"] if kwargs["device"] is not None else client.device
-        if not isinstance(device, torch.device):
-            device = torch.device(device)
-    elif remote:
+def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
+    if remote:
         device = remote[0].device
-    metas = {}
-    key = []
-    for x in flat:
-        if type(x) is Tensor:
-            meta = TensorMeta(tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype)
-            metas[id(x)] = meta
-            key.append(meta)
-        else:
-            key.append(x)
+    else:
+        device = kwargs.get("device")
+        if device is None:
+            device = client.device
+        elif not isinstance(device, torch.device):
+            device = torch.device(device)
     try:
-        out = propagate(func, args, kwargs, metas, tuple(key), spec)
+        out = propagate(func, args, kwargs, {id(x): x._meta for x in remote}, key)
     except Exception as e:
         # Errors that metadata reveals are the user's, raised at their line as local torch would.
         raise type(e)(f"{e}\n  (tdmesh: raised while checking {func} on the client, before anything was sent)"
@@ -228,6 +230,9 @@ def _dispatch_remote(func, args, kwargs, flat, spec, remote, mesh, client):
             if type(leaf) is tuple and leaf and leaf[0] == "value":
                 raise TypeError(f"{func} returns a Python value ({leaf[1]!r}) that needs a fetch\n  at {user_line()}")
             if is_write and type(source) is Tensor:
+                if source._meta != leaf:
+                    raise NotImplementedError(f"{func} changes the shape or strides of a remote tensor in place; "
+                                              f"use its out-of-place form\n  at {user_line()}")
                 outputs.append(source)  # in-place / out=: the result is the argument itself
                 results.append(None)
                 continue
@@ -243,6 +248,8 @@ def _dispatch_remote(func, args, kwargs, flat, spec, remote, mesh, client):
         uses = [t._r.id for t in remote]
         defs = [r for r in results if r is not None] + mutated_refs
         client.send(mesh, msg, seq, uses, defs)
+    if out.single:
+        return outputs[0]
     return tree_unflatten(outputs, out.spec)
 
 

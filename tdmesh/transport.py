@@ -31,10 +31,10 @@ def encode(msg) -> bytes:
 def decode(payload) -> Iterator:
     """The messages of one frame payload, in order."""
     stream = io.BytesIO(payload)
-    unpickler = pickle.Unpickler(stream)
     end = len(payload)
-    while stream.tell() < end:
-        yield unpickler.load()
+    load = pickle.load
+    while stream.tell() < end:  # each message is its own pickle, with its own memo
+        yield load(stream)
 
 
 class Connection:

@@ -76,6 +76,8 @@ class Interpreter:
             self._bind(msg.results, fn(*args, **kwargs))
         except DependentOnError as e:
             self._poison(msg.results, msg.mutates, e.poison)
+        except ProtocolViolation:
+            raise  # a broken message, not a failing user function: the worker loop stops
         except Exception as e:
             self._fail(msg.seq, msg.results, msg.mutates, e, msg.function)
 
@@ -95,6 +97,8 @@ class Interpreter:
             self._poison((), msg.mutates, e.poison)
             self.send(m.FetchResult(msg.seq, None, m.DependentError(e.poison.seq)))
             return
+        except ProtocolViolation:
+            raise
         except Exception as e:
             self._fail(msg.seq, (), msg.mutates, e, msg.function)
             self.send(m.FetchResult(msg.seq, None, m.DependentError(msg.seq)))
