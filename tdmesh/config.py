@@ -13,6 +13,8 @@ VARIABLES = {
     "TDMESH_LOG_FILE": ("", "this worker's log file, reported in errors (set by local_mesh)"),
     "TDMESH_SELF_ERROR_EXIT_CODE": ("1", "worker exit code when the job fails and this worker caused it"),
     "TDMESH_PEER_ERROR_EXIT_CODE": ("1", "worker exit code when the job fails because of another process"),
+    "TDMESH_PEER_EXIT_DELAY": ("2.0", "seconds a torchrun worker waits before exiting for another process's failure, so that rank 0 (the script) is torchrun's root cause"),
+    "TDMESH_SCOPE": ("", "store key prefix of a local_mesh fleet (set by local_mesh)"),
     "TDMESH_CONNECT_TIMEOUT": ("120", "seconds the controller waits for every worker to connect"),
 }
 

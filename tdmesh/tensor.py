@@ -166,14 +166,16 @@ def _scan(obj, remote: list, local: list):
 def dispatch(func, args: tuple, kwargs: dict):
     """Turn one aten call into a remote op and return its result proxies."""
     name = func._schema.name
-    if name in _NEEDS_VALUE:
-        raise TypeError(f"{func} needs the tensor's value on the client (e.g. .item(), bool(t), "
-                        f"torch.equal); fetch it first: tdmesh.fetch_shard(t).result()\n  at {user_line()}")
     remote: list = []
     local: list = []
     key = (_scan(args, remote, local), _scan(kwargs, remote, local) if kwargs else None)
     if remote:
         mesh = remote[0]._mesh
+        if name in _NEEDS_VALUE:
+            raise TypeError(f"{func} needs the tensor's value on the client (e.g. .item(), bool(t), "
+                            f"torch.equal); fetch it first: tdmesh.fetch_shard(t).result()\n  at {user_line()}")
+    elif local and name in _NEEDS_VALUE:  # reading a local (e.g. fetched) value under a mesh
+        return func(*args, **kwargs)
     else:
         mesh = active_mesh_or_none()
         if mesh is None:  # no_mesh, or an op that only touches local tensors

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
 
 from .. import messages as m
-from ..config import env_int, env_str
+from ..config import env_float, env_int, env_str
 from ..rendezvous import _scope, connect_store, read_controller
 from ..transport import ProtocolError, connect
 from .interpreter import Interpreter, ProtocolViolation
@@ -74,4 +75,8 @@ def _serve(rank: int, device: torch.device, conn, token: str) -> int:
         return 0
     if interp.caused_error:
         return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1)
+    if rank != 0 and not os.environ.get("TDMESH_SCOPE"):
+        # Under torchrun, let rank 0 (which exits with the script's own code) be the first
+        # failure torchrun observes, so its summary names the script as the root cause.
+        time.sleep(env_float("TDMESH_PEER_EXIT_DELAY", 2.0))
     return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1)
