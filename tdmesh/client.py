@@ -85,6 +85,8 @@ class Client:
         """Queue ``msg`` for every rank of ``mesh`` (or ``ranks``) and record it in the history."""
         with self.lock:
             self._check_usable()
+            if self._deletes:  # frees go out before the next op, so workers never hold dead refs long
+                self._queue_deletes()
             if seq is not None:
                 self.history.add(seq, uses, defs, call_site(), future)
             data = encode(msg)

@@ -37,10 +37,12 @@ class History:
         self._frontier = {r: 0 for r in ranks}
         self._failed_refs: dict[int, RemoteException] = {}
         self.unobserved: dict[int, RemoteException] = {}
+        self._last_seq = -1
 
     def add(self, seq: int, uses, defs, site, future: Future | None = None) -> Node:
-        if self._order and seq <= self._order[-1].seq:
-            raise AssertionError(f"seq {seq} is not above the last seq {self._order[-1].seq}")
+        if seq <= self._last_seq:  # also after the last node completed and was freed
+            raise AssertionError(f"seq {seq} is not above the last seq {self._last_seq}")
+        self._last_seq = seq
         node = Node(seq, uses, defs, site, future)
         failed = self._failed_refs
         if failed:

@@ -19,10 +19,14 @@ class Future:
 
     # called by the client when the value (or its error) is known
     def _set_result(self, value) -> None:
+        if self._finished():
+            return  # settled once: a late resolution cannot change what the user has seen
         self._value = value
         self._run_callbacks()
 
     def _set_exception(self, exc: BaseException) -> None:
+        if self._finished():
+            return
         self._exception = exc
         self._value = None
         self._run_callbacks()
@@ -46,6 +50,9 @@ class Future:
         while not self._finished():
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
+                self._client.pump(0, until=self._finished)  # a last look at what has already arrived
+                if self._finished():
+                    return
                 raise TimeoutError(f"the value was not ready within {timeout} s; result() can be called again")
             self._client.pump(remaining, until=self._finished)
 

@@ -59,6 +59,9 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
     }
     if not cuda:
         base_env["TDMESH_DEVICE"] = "cpu"
+    # Workers import what the client can: functions travel by import path when they have one.
+    paths = [os.path.abspath(p or os.getcwd()) for p in sys.path]
+    base_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     envs = {}
     for rank in range(world):
         env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank % gpus_per_host),

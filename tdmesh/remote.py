@@ -123,6 +123,10 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict):
         results = []
         proxies = []
         for leaf, source in out_leaves:
+            if leaf is None:  # the function returns None in this slot
+                results.append(None)
+                proxies.append(None)
+                continue
             ref = client.new_ref()
             aliases = source._r.aliases if source is not None else _Aliases()
             proxies.append(Tensor(tensor_meta(leaf), client.device, mesh, ref, aliases))
@@ -130,7 +134,7 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict):
         mutated_refs = [r for t in mutated for r in t._r.aliases.refs]
         seq = client.new_seq()
         msg = m.CallFunction(seq, tuple(results), tuple(mutated_refs), fn._target, _wire(args), _wire(kwargs))
-        client.send(mesh, msg, seq, [t.ref for t in remote_args], results + mutated_refs)
+        client.send(mesh, msg, seq, [t.ref for t in remote_args], [r for r in results if r is not None] + mutated_refs)
     if outputs is None:
         return None
     return tree_unflatten(proxies, outputs)
@@ -160,6 +164,9 @@ def _propagate_with(propagate: Callable, args, kwargs):
     flat_out, spec = tree_flatten(out)
     leaves = []
     for x in flat_out:
+        if x is None:
+            leaves.append((None, None))
+            continue
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"the propagate function must return tensors (a pytree of them), got {type(x).__name__}")
         leaves.append((x, originals.get(id(x))))

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
+import weakref
 from typing import Any
 
 import torch
@@ -66,7 +68,6 @@ class _Ref:
 
     def __del__(self) -> None:
         try:
-            self.aliases.refs.pop(self.id, None)
             if self.dropped_at is None:
                 self.mesh.client.delete_ref(self.id, self.mesh)
         except Exception:  # interpreter shutdown
@@ -74,11 +75,12 @@ class _Ref:
 
 
 class _Aliases:
-    """The refs that share one worker storage: mutating any of them changes all of them."""
+    """The live refs that share one worker storage: mutating any of them changes all of them.
+    Held weakly, so a proxy's death is not delayed until the cycle collector runs."""
     __slots__ = ("refs",)
 
     def __init__(self) -> None:
-        self.refs: dict[int, _Ref] = {}
+        self.refs: weakref.WeakValueDictionary[int, _Ref] = weakref.WeakValueDictionary()
 
 
 class Tensor(torch.Tensor):
@@ -141,6 +143,40 @@ class Tensor(torch.Tensor):
                         "fetch it with tdmesh.fetch_shard(t).result()")
 
 
+_last_error = threading.local()
+
+
+def _raise(error: Exception):
+    """Raise ``error`` from dispatch, remembering it: torch turns a TypeError inside a binary
+    operator into ``NotImplemented``, and the operators of :class:`Tensor` re-raise it."""
+    _last_error.value = error
+    raise error
+
+
+def _binary(name: str):
+    base = getattr(torch.Tensor, name)
+
+    def operator(self, other):
+        _last_error.value = None
+        out = base(self, other)
+        if out is NotImplemented:
+            error, _last_error.value = getattr(_last_error, "value", None), None
+            if error is not None:
+                raise error
+        return out
+
+    operator.__name__ = name
+    return operator
+
+
+_BINARY = [f"__{p}{n}__" for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+                                   "and", "or", "xor", "lshift", "rshift") for p in ("", "r", "i")
+           if hasattr(torch.Tensor, f"__{p}{n}__")] + ["__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"]
+for _name in _BINARY:
+    setattr(Tensor, _name, _binary(_name))
+Tensor.__hash__ = torch.Tensor.__hash__
+
+
 def _describe(t) -> str:
     if isinstance(t, Tensor):
         return f"tdmesh.Tensor(ref={t._r.id}, shape={list(t.shape)}, mesh={t._mesh.shape})"
@@ -172,8 +208,8 @@ def dispatch(func, args: tuple, kwargs: dict):
     if remote:
         mesh = remote[0]._mesh
         if name in _NEEDS_VALUE:
-            raise TypeError(f"{func} needs the tensor's value on the client (e.g. .item(), bool(t), "
-                            f"torch.equal); fetch it first: tdmesh.fetch_shard(t).result()\n  at {user_line()}")
+            _raise(TypeError(f"{func} needs the tensor's value on the client (e.g. .item(), bool(t), "
+                             f"torch.equal); fetch it first: tdmesh.fetch_shard(t).result()\n  at {user_line()}"))
     elif local and name in _NEEDS_VALUE:  # reading a local (e.g. fetched) value under a mesh
         return func(*args, **kwargs)
     else:
@@ -187,18 +223,18 @@ def dispatch(func, args: tuple, kwargs: dict):
     if local:
         if name in ("aten::lift_fresh", "aten::lift") and not remote:
             return _ship_local(func, local[0], mesh)
-        raise TypeError(f"LOCAL_TENSOR: {func} mixes a local tensor with the mesh {mesh.shape}:\n"
+        _raise(TypeError(f"LOCAL_TENSOR: {func} mixes a local tensor with the mesh {mesh.shape}:\n"
                         f"  {_describe(local[0])}\nmove it to the mesh with torch.tensor(...) under "
                         f"`with mesh.activate():`, or run local code under tdmesh.no_mesh.activate()\n"
-                        f"  at {user_line()}")
+                        f"  at {user_line()}"))
     for t in remote:
         if t._mesh is not mesh:
-            raise TypeError(f"WRONG_MESH: {func} mixes tensors from two meshes:\n  {_describe(remote[0])}\n"
-                            f"  {_describe(t)}\nmove one with t.to_mesh(other_mesh)\n  at {user_line()}")
+            _raise(TypeError(f"WRONG_MESH: {func} mixes tensors from two meshes:\n  {_describe(remote[0])}\n"
+                            f"  {_describe(t)}\nmove one with t.to_mesh(other_mesh)\n  at {user_line()}"))
         if t._r.dropped_at is not None:
-            raise TypeError(f"DROPPED: tensor {t._r.id} is dropped at:\n"
+            _raise(TypeError(f"DROPPED: tensor {t._r.id} is dropped at:\n"
                             f"{''.join(traceback.format_list(frames(t._r.dropped_at)))}"
-                            f"and cannot be used in {func}\n  at {user_line()}")
+                            f"and cannot be used in {func}\n  at {user_line()}"))
     return _dispatch_remote(func, args, kwargs, key, remote, mesh, client)
 
 

@@ -49,6 +49,8 @@ def main(argv=None) -> int:
         print("tdmesh.worker must run under torchrun (or tdmesh.local_mesh):\n"
               "  torchrun --nproc_per_node 2 -m tdmesh.worker script.py", file=sys.stderr)
         return 2
+    if args.script:  # functions defined next to the script travel by import path
+        sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     from .loop import configure_logging, run_worker
     configure_logging()
     client = None

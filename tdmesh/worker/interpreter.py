@@ -51,7 +51,10 @@ class Interpreter:
     with the streams issue; every message carries its stream id already.
     """
 
+    current: "Interpreter | None" = None  # this process's interpreter, for builtins that report on it
+
     def __init__(self, rank: int, device: torch.device, send: Callable[[Any], None]) -> None:
+        Interpreter.current = self
         self.rank = rank
         self.device = device
         self.send = send
