@@ -81,11 +81,15 @@ class Client:
             raise RuntimeError("this mesh has exited; its tensors can no longer be used")
 
     def send(self, mesh, msg, seq: int | None = None, uses=(), defs=(), future: Future | None = None,
-             ranks=None) -> None:
-        """Queue ``msg`` for every rank of ``mesh`` (or ``ranks``) and record it in the history."""
+             ranks=None, deletes_first: bool = False) -> None:
+        """Queue ``msg`` for every rank of ``mesh`` (or ``ranks``) and record it in the history.
+
+        Frees of dead proxies are batched into one DeleteRefs per flush (ref ids are never
+        reused, so a late free is safe); ``deletes_first`` sends them ahead of ``msg``.
+        """
         with self.lock:
             self._check_usable()
-            if self._deletes:  # frees go out before the next op, so workers never hold dead refs long
+            if deletes_first and self._deletes:
                 self._queue_deletes()
             if seq is not None:
                 self.history.add(seq, uses, defs, call_site(), future)

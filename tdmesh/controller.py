@@ -126,5 +126,8 @@ class History:
 def _load_value(payload: bytes):
     """Unpickle a fetched value as local tensors, whatever mesh is active on the client."""
     from torch.utils._python_dispatch import _disable_current_modes
+    from torch.utils._pytree import tree_map
     with _disable_current_modes():
-        return pickle.loads(payload)
+        value = pickle.loads(payload)
+        return tree_map(lambda x: m.unpack_tensor(x) if type(x) is m.PackedTensor else x, value,
+                        is_leaf=lambda x: type(x) is m.PackedTensor)

@@ -38,7 +38,7 @@ def _send_value(mesh, function, args, kwargs, rank: int) -> Future:
     with client.lock:
         seq = client.new_seq()
         client.send(mesh, m.SendValue(seq, (), function, _wire(args), _wire(kwargs)), seq, uses, (), fut,
-                    ranks=(rank,))
+                    ranks=(rank,), deletes_first=True)
         client.request_status(seq)
         client.flush()
     return fut

@@ -100,3 +100,29 @@ WORKER_TO_CLIENT = (Hello, FetchResult, RemoteFunctionFailed, Status)
 class MeshArg(NamedTuple):
     """A ``DeviceMesh`` argument; the worker substitutes its own view of that mesh."""
     shape: Any
+
+
+class PackedTensor(NamedTuple):
+    """A dense CPU tensor as raw bytes: pickles an order of magnitude faster than a tensor."""
+    dtype: str
+    shape: tuple
+    data: bytes
+
+
+def pack_tensor(t):
+    """``t`` (detached, on CPU) as a PackedTensor, or ``t`` itself for layouts bytes can't carry."""
+    import ctypes
+    import torch
+    if t.layout is not torch.strided or t.is_quantized or t.is_nested or t.requires_grad:
+        return t
+    t = t.contiguous()
+    return PackedTensor(str(t.dtype).split(".")[1], tuple(t.shape),
+                        ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+
+
+def unpack_tensor(p: PackedTensor):
+    import torch
+    dtype = getattr(torch, p.dtype)
+    if not p.data:
+        return torch.empty(p.shape, dtype=dtype)
+    return torch.frombuffer(bytearray(p.data), dtype=dtype).reshape(p.shape)

@@ -14,6 +14,7 @@ import sys
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import messages as m
@@ -155,8 +156,8 @@ def _propagate_with(propagate: Callable, args, kwargs):
     meta_kwargs = tree_map(to_meta, kwargs)
     metas = [x for x in tree_flatten((meta_args, meta_kwargs))[0] if isinstance(x, torch.Tensor)]
     versions = [t._version for t in metas]
-    try:
-        with torch.device("meta"):
+    try:  # the propagator runs locally on meta tensors, never on the mesh
+        with _disable_current_modes(), torch.device("meta"):
             out = propagate(*meta_args, **meta_kwargs)
     except Exception as e:
         raise type(e)(f"{e}\n  (raised by the propagate function on the client)\n  at {user_line()}") from e

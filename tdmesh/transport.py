@@ -34,7 +34,12 @@ def decode(payload) -> Iterator:
     end = len(payload)
     load = pickle.load
     while stream.tell() < end:  # each message is its own pickle, with its own memo
-        yield load(stream)
+        try:
+            msg = load(stream)
+        except Exception as e:  # truncated or corrupt pickle: the peer broke the protocol
+            raise ProtocolError(f"undecodable message at byte {stream.tell()} of a {end}-byte frame: "
+                                f"{type(e).__name__}: {e}") from e
+        yield msg
 
 
 class Connection:
@@ -60,7 +65,7 @@ class Connection:
     def send_messages(self, msgs: Iterable) -> None:
         self.send_payload(b"".join(encode(m) for m in msgs))
 
-    def recv_payload(self) -> bytes | None:
+    def recv_payload(self) -> bytearray | None:
         """The next frame's payload, or ``None`` when the peer closed cleanly between frames."""
         header = self._recv_exact(_HEADER.size, allow_eof=True)
         if header is None:
@@ -76,7 +81,7 @@ class Connection:
         payload = self.recv_payload()
         return None if payload is None else list(decode(payload))
 
-    def _recv_exact(self, n: int, allow_eof: bool) -> bytes | None:
+    def _recv_exact(self, n: int, allow_eof: bool) -> bytearray | None:
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
@@ -87,7 +92,7 @@ class Connection:
                     return None
                 raise ProtocolError(f"connection closed mid-frame ({got} of {n} bytes)")
             got += k
-        return bytes(buf)
+        return buf  # no copy: a large fetch is held once
 
     def close(self) -> None:
         try:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import pickle
 
+from tdmesh.controller import _load_value
+
 import cloudpickle
 import pytest
 import torch
@@ -52,7 +54,7 @@ def fetched(msg):
     assert isinstance(msg, m.FetchResult), msg
     assert msg.error is None, msg
     assert isinstance(msg.value, bytes)
-    return pickle.loads(msg.value)
+    return _load_value(msg.value)  # as the client does: packed tensors become tensors again
 
 
 def failures(sent):

@@ -184,6 +184,5 @@ def _to_fetchable(leaf):
         leaf = leaf.detach()
         if leaf.device.type != "cpu":
             leaf = leaf.cpu()
-        if leaf.untyped_storage().nbytes() > leaf.numel() * leaf.element_size():
-            leaf = leaf.clone()
+        return m.pack_tensor(leaf)
     return leaf

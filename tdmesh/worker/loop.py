@@ -57,7 +57,8 @@ def run_worker() -> int:
 def _serve(rank: int, device: torch.device, conn, token: str) -> int:
     conn.send_messages([m.Hello(rank, token, socket.gethostname(), os.getpid(), str(device),
                                 os.environ.get("TDMESH_LOG_FILE"))])
-    interp = Interpreter(rank, device, lambda msg: conn.send_messages([msg]))
+    replies: list = []  # the replies to one incoming frame go back as one frame
+    interp = Interpreter(rank, device, replies.append)
     try:
         while interp.exit_request is None:
             msgs = conn.recv_messages()
@@ -66,6 +67,12 @@ def _serve(rank: int, device: torch.device, conn, token: str) -> int:
                 return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1)
             for msg in msgs:
                 interp.handle(msg)
+                if replies and type(msg) is not m.CallFunction:  # fetches and status go out at once
+                    conn.send_messages(replies)
+                    replies.clear()
+            if replies:
+                conn.send_messages(replies)
+                replies.clear()
     except (ProtocolError, ProtocolViolation, ConnectionError) as e:
         log.error("rank %d: %s", rank, e)
         return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1)

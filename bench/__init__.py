@@ -1,0 +1,1 @@
+"""Benchmarks for tdmesh; run them from the repository root (see bench/README.md)."""

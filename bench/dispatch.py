@@ -1,0 +1,251 @@
+"""tdmesh's port of Monarch's ``python/tests/dispatch_bench.py`` (see MONARCH_NOTES.md §6.1).
+
+Run from the repository root:
+
+    python -m bench.dispatch                 # N=10,000 adds of 100x100 fp32, 1 and 2 workers
+    python -m bench.dispatch --quick         # CI smoke: small N, fewer fetches
+    python -m bench.dispatch --workers 4 --iters 20000
+    python -m bench.dispatch --device cuda   # on a CUDA host: tensors on the GPUs
+
+Sections (each timed section: one warm-up, then ``--repeats`` timed runs; best and median):
+  (1) local       the loop ``local = ones + local`` in this process, before any mesh exists
+  (2) dispatched  the same loop under ``mesh.activate()`` with one worker, then one fetch
+  (3) remote fn   one remote function runs the whole loop on the worker, then a fetch
+  (4) fetch RTT   ``fetch_shard(t).result()`` of a 10-element tensor vs. a raw
+                  pickle-over-TCP echo with tdmesh's framing, to a second process
+  (5) N workers   (2) on a mesh of N workers (every op goes to all N ranks)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):  # run as ``python bench/dispatch.py``
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import helpers as h  # noqa: E402
+
+SHAPE = (100, 100)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m bench.dispatch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=None, help="loop length N (default 10000; 500 with --quick)")
+    p.add_argument("--workers", type=int, default=2, help="workers for section (5) (default 2; 0 or 1 skips it)")
+    p.add_argument("--fetches", type=int, default=None, help="fetch round trips for (4) (default 500; 100 with --quick)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per section (default 3)")
+    p.add_argument("--quick", action="store_true", help="small N for a CI smoke run")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default; forces CPU workers even where CUDA exists) or cuda")
+    args = p.parse_args(argv)
+    if args.iters is None:
+        args.iters = 500 if args.quick else 10_000
+    if args.fetches is None:
+        args.fetches = 100 if args.quick else 500
+    return args
+
+
+def _timed_loop(fn, n: int, repeats: int, warmup_n: int) -> list[float]:
+    """Warm up with ``fn(warmup_n)``, then time ``fn(n)`` ``repeats`` times."""
+    fn(warmup_n)
+    return h.repeat(lambda: fn(n), repeats)
+
+
+def bench_local(n: int, repeats: int, device: str) -> list[float]:
+    import torch
+    if device == "cuda":
+        torch.set_default_device("cuda")
+    try:
+        def run(k):
+            h.run_loop_local(k, SHAPE)
+            h.synchronize(device)
+        return _timed_loop(run, n, repeats, min(n, 1000))
+    finally:
+        if device == "cuda":
+            torch.set_default_device(None)
+
+
+def bench_dispatched(mesh, n: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Total times (loop + fetch) and, for the same runs, the time the loop took to issue."""
+    import tdmesh
+    issue: list[float] = []
+
+    def run(k):
+        with mesh.activate():
+            t0 = time.perf_counter()
+            local = h.run_loop_local(k, SHAPE)  # the same Python loop; every add is a remote op
+            issue.append(time.perf_counter() - t0)
+            value = tdmesh.fetch_shard(local).result()
+        assert value.shape == SHAPE  # the fetch is on CPU; read it outside the mesh
+        return value
+
+    times = _timed_loop(run, n, repeats, min(n, 1000))
+    issue_times = issue[1:repeats + 1]  # the timed runs only, not the warm-up
+    # check the answer once, outside the timers: a loop of k adds of ones gives k everywhere
+    value = run(3)
+    assert float(value.min()) == float(value.max()) == 3.0, value
+    return times, issue_times
+
+
+def bench_remote_function(mesh, n: int, repeats: int) -> list[float]:
+    import torch
+    import tdmesh
+    device = mesh.client.device.type
+    run_loop = tdmesh.remote("bench.helpers.run_loop_local",
+                             propagate=lambda n, shape, device=None: torch.ones(shape))
+
+    def run(k):
+        with mesh.activate():
+            local = run_loop(k, SHAPE, device)
+            return tdmesh.fetch_shard(local).result()
+
+    times = _timed_loop(run, n, repeats, min(n, 1000))
+    value = run(5)
+    assert float(value.min()) == float(value.max()) == 5.0, value
+    return times
+
+
+def bench_fetch_rtt(mesh, fetches: int):
+    import torch
+    import tdmesh
+    warm = max(20, fetches // 10)
+    with mesh.activate():
+        t = torch.arange(10, dtype=torch.float32)
+        for _ in range(warm):
+            tdmesh.fetch_shard(t).result()
+        fetch_times = []
+        for _ in range(fetches):
+            t0 = time.perf_counter()
+            tdmesh.fetch_shard(t).result()
+            fetch_times.append(time.perf_counter() - t0)
+    # The floor: the same small tensor pickled, framed, echoed by a second process.
+    proc, sock = h.start_echo_server()
+    try:
+        local = torch.arange(10, dtype=torch.float32)
+        for _ in range(warm):
+            h.raw_round_trip(sock, local)
+        raw_times = []
+        for _ in range(fetches):
+            t0 = time.perf_counter()
+            back = h.raw_round_trip(sock, local)
+            raw_times.append(time.perf_counter() - t0)
+        assert torch.equal(back, local)
+        # The socket floor: an opaque bytes object of the pickled tensor's size, no tensor pickling.
+        blob = b"x" * len(pickle.dumps(local, protocol=pickle.HIGHEST_PROTOCOL))
+        for _ in range(warm):
+            h.raw_round_trip(sock, blob)
+        bytes_times = []
+        for _ in range(fetches):
+            t0 = time.perf_counter()
+            h.raw_round_trip(sock, blob)
+            bytes_times.append(time.perf_counter() - t0)
+    finally:
+        sock.close()
+        proc.wait(timeout=30)
+    return fetch_times, raw_times, bytes_times, len(blob)
+
+
+def main(argv=None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    h.ensure_importable_by_workers()
+    import torch
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("--device cuda: CUDA is not available here", file=sys.stderr)
+            return 2
+        os.environ.pop("TDMESH_DEVICE", None)
+    else:
+        os.environ["TDMESH_DEVICE"] = "cpu"  # CPU workers even on a CUDA host
+    import tdmesh
+
+    n, reps = args.iters, args.repeats
+    print(f"tdmesh dispatch bench: N={n:,} adds of {SHAPE[0]}x{SHAPE[1]} fp32 on {args.device}, "
+          f"{reps} timed runs per section after a warm-up; torch {torch.__version__}; {h.machine_line()}",
+          flush=True)
+
+    results: dict[str, list[float]] = {}
+    # (1) before any mesh exists
+    results["local"] = bench_local(n, reps, args.device)
+
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh:
+        results["dispatched"], issue_1w = bench_dispatched(mesh, n, reps)
+        results["remote"] = bench_remote_function(mesh, n, reps)
+        fetch_times, raw_times, bytes_times, blob_len = bench_fetch_rtt(mesh, args.fetches)
+
+    workers = args.workers
+    if workers > 1 and args.device == "cuda" and workers > torch.cuda.device_count():
+        print(f"(5) skipped: --workers {workers} needs {workers} GPUs, this host has {torch.cuda.device_count()}",
+              flush=True)
+        workers = 0
+    if workers > 1:
+        with tdmesh.local_mesh(hosts=1, gpus_per_host=workers) as mesh:
+            results["workers"], _ = bench_dispatched(mesh, n, reps)
+
+    # ------------------------------------------------------------------ report
+    base_best, base_med = h.best_median(results["local"])
+    labels = {
+        "local": "(1) local loop, this process",
+        "dispatched": "(2) dispatched, 1 worker, + fetch",
+        "remote": "(3) one remote fn (whole loop), + fetch",
+        "workers": f"(5) dispatched, {workers} workers, + fetch",
+    }
+    rows = []
+    ops = {}
+    for key, label in labels.items():
+        if key not in results:
+            continue
+        best, med = h.best_median(results[key])
+        ops[key] = (n / best, n / med)
+        rows.append([label, f"{best * 1e3:,.1f}", f"{med * 1e3:,.1f}", h.fmt_rate(n / best), h.fmt_rate(n / med),
+                     f"{base_best / best:.3f}x", f"{base_med / med:.3f}x"])
+    print()
+    h.print_table(["section", "best ms", "median ms", "ops/s best", "ops/s median", "vs (1) best", "vs (1) median"],
+                  rows)
+
+    f_med, f_p99 = statistics.median(fetch_times), h.percentile(fetch_times, 99)
+    r_med, r_p99 = statistics.median(raw_times), h.percentile(raw_times, 99)
+    print()
+    print(f"(4) small-tensor fetch round trip (10 fp32 elements, {args.fetches} round trips after a warm-up):")
+    h.print_table(["", "median", "p99", "min"], [
+        ["tdmesh fetch_shard(t).result()", h.fmt_us(f_med), h.fmt_us(f_p99), h.fmt_us(min(fetch_times))],
+        ["raw pickle+framed TCP echo", h.fmt_us(r_med), h.fmt_us(r_p99), h.fmt_us(min(raw_times))],
+        ["ratio fetch / raw", f"{f_med / r_med:.2f}x", f"{f_p99 / r_p99:.2f}x", f"{min(fetch_times) / min(raw_times):.2f}x"],
+        [f"raw framed TCP echo, {blob_len} B bytes", h.fmt_us(statistics.median(bytes_times)),
+         h.fmt_us(h.percentile(bytes_times, 99)), h.fmt_us(min(bytes_times))],
+    ])
+    print("  (the raw tensor echo pickles and unpickles the tensor in both processes, i.e. twice each per round\n"
+          "   trip; a fetch pickles it once on the worker and unpickles it once here, plus tdmesh's SendValue/\n"
+          "   RequestStatus out and FetchResult/Status back.  The last row is the socket floor: a bytes object\n"
+          "   of the same pickled size, no tensor (un)pickling.)")
+
+    d_best = min(results["dispatched"])
+    per_op_us = (d_best - base_best) / n * 1e6
+    print()
+    print(f"summary (N={n:,}, {SHAPE[0]}x{SHAPE[1]} fp32, device={args.device}, best of {reps}; "
+          f"{os.cpu_count()} CPUs):")
+    print(f"  local                    = {ops['local'][0]:,.0f} ops/s")
+    print(f"  dispatched               = {ops['dispatched'][0]:,.0f} ops/s")
+    print(f"  dispatched/local         = {base_best / d_best:.3f}x")
+    print(f"  dispatch overhead        = {per_op_us:.1f} us/op  ((2)-(1))/N")
+    print(f"  client issue time        = {min(issue_1w) / n * 1e6:.1f} us/op  (the loop of (2) alone, before the "
+          f"fetch; the rest of (2) is the worker catching up)")
+    print(f"  remote_function/local    = {base_best / min(results['remote']):.3f}x")
+    print(f"  fetch_rtt/raw_rtt        = {f_med / r_med:.2f}x  (median {h.fmt_us(f_med)} vs {h.fmt_us(r_med)}; "
+          f"p99 {h.fmt_us(f_p99)} vs {h.fmt_us(r_p99)})")
+    print(f"  fetch_rtt/bytes_rtt      = {f_med / statistics.median(bytes_times):.2f}x  (socket floor, median "
+          f"{h.fmt_us(statistics.median(bytes_times))})")
+    if "workers" in results:
+        print(f"  dispatched_{workers}w            = {ops['workers'][0]:,.0f} ops/s "
+              f"({ops['workers'][0] * workers:,.0f} rank-ops/s)")
+        print(f"  workers_{workers}/workers_1      = {ops['workers'][0] / ops['dispatched'][0]:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

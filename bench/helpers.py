@@ -1,0 +1,170 @@
+"""Shared pieces of the benches, importable by tdmesh workers as ``bench.helpers``.
+
+Keep this module light at import time: workers import it (by the import path
+``"bench.helpers.run_loop_local"``) to run the remote-function variant of the dispatch bench.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import statistics
+import struct
+import sys
+import time
+from typing import Callable
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Same framing as tdmesh.transport: MAGIC | u64 length | payload (12-byte header).
+# Re-declared here so the raw baseline does not go through tdmesh's code at all.
+FRAME_MAGIC = b"TDM1"
+FRAME_HEADER = struct.Struct("!4sQ")
+
+
+# ---------------------------------------------------------------------------- the kernel
+def run_loop_local(n: int, shape, device: str | None = None):
+    """Monarch's ``dispatch_bench_helper.run_loop_local``: ``n`` dependent adds.
+
+    Runs wherever it is called: in the client for the local baseline, on a worker when
+    shipped with ``tdmesh.remote("bench.helpers.run_loop_local", ...)``.
+    """
+    import torch
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() and os.environ.get("TDMESH_DEVICE") != "cpu" else "cpu"
+    local = torch.zeros(shape, device=device)
+    ones = torch.ones(shape, device=device)
+    for _ in range(n):
+        local = ones + local
+    return local
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------- timing
+def repeat(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds per call of ``fn``, ``repeats`` times (``fn`` includes any synchronisation)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile, ``q`` in [0, 100]."""
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(round(q / 100.0 * len(s) + 0.5)) - 1))
+    return s[k]
+
+
+def best_median(times: list[float]) -> tuple[float, float]:
+    return min(times), statistics.median(times)
+
+
+def fmt_us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.1f} us"
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def print_table(headers: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(r[i])) for r in [headers] + rows) for i in range(len(headers))]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    print(line)
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def machine_line() -> str:
+    try:
+        load = "load average %.2f %.2f %.2f" % os.getloadavg()
+    except OSError:
+        load = "load average n/a"
+    return f"{os.cpu_count()} CPUs, {load}, python {sys.version.split()[0]}"
+
+
+def ensure_importable_by_workers() -> None:
+    """Workers run ``python -m tdmesh.worker`` in our cwd with our environment; make sure
+    ``bench.helpers`` resolves there even when the bench is started from another directory."""
+    path = os.environ.get("PYTHONPATH", "")
+    if REPO_ROOT not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = REPO_ROOT + (os.pathsep + path if path else "")
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)
+
+
+# ---------------------------------------------------------------------------- raw framed echo
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
+
+
+def raw_send(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(FRAME_HEADER.pack(FRAME_MAGIC, len(payload)) + payload)
+
+
+def raw_recv(sock: socket.socket) -> bytes | None:
+    header = _recv_exact(sock, FRAME_HEADER.size)
+    if header is None:
+        return None
+    magic, length = FRAME_HEADER.unpack(header)
+    assert magic == FRAME_MAGIC, magic
+    return _recv_exact(sock, length)
+
+
+def echo_server(listener_fd: int | None = None, port: int | None = None) -> None:
+    """Accept one client; for each frame, unpickle the object and send it back pickled.
+
+    This is the floor a fetch round trip could reach: the same framing and pickling,
+    one hop each way between two processes, no tdmesh bookkeeping.
+    """
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port or 0))
+    srv.listen(1)
+    print(srv.getsockname()[1], flush=True)
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        payload = raw_recv(conn)
+        if payload is None:
+            break
+        obj = pickle.loads(payload)
+        raw_send(conn, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    conn.close()
+    srv.close()
+
+
+def start_echo_server():
+    """The echo server in a subprocess (a second process, like a worker); returns (proc, socket)."""
+    import subprocess
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.Popen([sys.executable, "-c", "import bench.helpers as h; h.echo_server()"],
+                            stdout=subprocess.PIPE, cwd=REPO_ROOT, env=env, text=True)
+    port = int(proc.stdout.readline())
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return proc, sock
+
+
+def raw_round_trip(sock: socket.socket, obj) -> object:
+    raw_send(sock, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    return pickle.loads(raw_recv(sock))
