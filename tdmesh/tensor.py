@@ -245,8 +245,10 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
         device = kwargs.get("device")
         if device is None:
             device = client.device
-        elif not isinstance(device, torch.device):
+        else:
             device = torch.device(device)
+            if device.type == client.device.type:  # "cuda" means the worker's own GPU: one index
+                device = client.device
     try:
         out = propagate(func, args, kwargs, {id(x): x._meta for x in remote}, key)
     except Exception as e:
