@@ -26,6 +26,7 @@ class CallFunction(NamedTuple):
     args: tuple
     kwargs: dict
     stream: int = 0
+    process_groups: tuple = ()  # ProcessGroupArgs among the args: created, in order, before it runs
 
 
 class SendValue(NamedTuple):
@@ -36,6 +37,75 @@ class SendValue(NamedTuple):
     args: tuple
     kwargs: dict
     stream: int = 0
+    process_groups: tuple = ()
+
+
+class Reduce(NamedTuple):
+    """A collective over ``dims`` of ``mesh`` on ``stream``; a poisoned input joins with zeros."""
+    seq: int
+    result: Optional[int]     # the output ref, or None when the output is ``out``/the input itself
+    tensor: int
+    factory: tuple            # (shape, dtype name) of the input, for zeros when it is poisoned
+    mesh: Any                 # Shape of the tensor's mesh
+    dims: tuple               # in mesh order
+    reduction: str            # sum avg product min max band bor bxor stack
+    scatter: bool
+    inplace: bool
+    out: Optional[int]
+    stream: int = 0
+
+
+class SendTensor(NamedTuple):
+    """``to_mesh``: ``from_ranks[i]`` sends ``tensor`` to ``to_ranks[i]``, which binds ``result``."""
+    seq: int
+    result: int
+    from_ranks: Any           # Slice
+    to_ranks: Any             # Slice
+    tensor: int
+    factory: tuple
+    from_stream: int
+    to_stream: int
+
+
+class CreateGroups(NamedTuple):
+    """Sent to every rank, once per key: create the process groups that ``key`` needs.
+
+    ``new_group`` is collective over the world, so every rank creates every group of the
+    key (``grouping.all_groups``) in the client's one order, members or not.
+    kind "dims": the groups over ``dims`` of ``mesh`` for ``stream``; kind "remote": the same,
+    for the user-visible group ``ref``; kind "p2p": one group of all ranks for ``to_mesh``
+    from ``stream`` to ``to_stream``.
+    """
+    kind: str
+    stream: int
+    mesh: Any = None
+    dims: tuple = ()
+    ref: Optional[int] = None
+    to_stream: Optional[int] = None
+
+
+class BorrowCreate(NamedTuple):
+    """On ``from_stream``: lend ``tensor`` to ``to_stream`` as ``result`` (after the work so far)."""
+    result: int
+    borrow: int
+    tensor: int
+    from_stream: int
+    to_stream: int
+
+
+class BorrowFirstUse(NamedTuple):
+    """On the borrowing stream: wait for the lender, then bind the borrowed value."""
+    borrow: int
+
+
+class BorrowLastUse(NamedTuple):
+    """On the borrowing stream: unbind the value and hand it back."""
+    borrow: int
+
+
+class BorrowDrop(NamedTuple):
+    """On the lending stream: wait until the borrower is done, then forget the borrow."""
+    borrow: int
 
 
 class DeleteRefs(NamedTuple):
@@ -93,13 +163,22 @@ class DependentError(NamedTuple):
     seq: int
 
 
-CLIENT_TO_WORKER = (CallFunction, SendValue, DeleteRefs, RequestStatus, CommandGroup, Exit)
+CLIENT_TO_WORKER = (CallFunction, SendValue, Reduce, SendTensor, CreateGroups, BorrowCreate, BorrowFirstUse, BorrowLastUse,
+                    BorrowDrop, DeleteRefs, RequestStatus, CommandGroup, Exit)
 WORKER_TO_CLIENT = (Hello, FetchResult, RemoteFunctionFailed, Status)
 
 
 class MeshArg(NamedTuple):
     """A ``DeviceMesh`` argument; the worker substitutes its own view of that mesh."""
     shape: Any
+
+
+class ProcessGroupArg(NamedTuple):
+    """A ``RemoteProcessGroup`` argument; the worker substitutes a real ProcessGroup over
+    ``dims`` of ``mesh`` for the calling stream (one group per ref and stream)."""
+    ref: int
+    mesh: Any
+    dims: tuple
 
 
 class PackedTensor(NamedTuple):

@@ -374,3 +374,16 @@ def test_client_exception_shuts_the_fleet_down():
             break
         time.sleep(0.1)
     assert not alive
+
+
+def test_local_meshes_are_independent_fleets():
+    with tdmesh.local_meshes(meshes=2, hosts_per_mesh=1, gpus_per_host=1) as (m0, m1):
+        assert m0.client is not m1.client
+        with m0.activate():
+            a = torch.ones(2)
+        with m1.activate():
+            b = torch.full((2,), 3.0)
+            with pytest.raises(TypeError, match="WRONG_MESH"):
+                a + b
+        got = (fetch_shard(a).result(), fetch_shard(b).result())
+    assert torch.equal(got[0], torch.ones(2)) and torch.equal(got[1], torch.full((2,), 3.0))

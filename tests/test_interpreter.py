@@ -424,7 +424,7 @@ def test_using_a_deleted_ref_is_a_protocol_violation():
     interp, sent = make()
     interp.handle(call(0, [0], ONES, [2]))
     interp.handle(m.DeleteRefs((0,)))
-    with pytest.raises(ProtocolViolation, match="ref 0 is not defined on worker 0"):
+    with pytest.raises(ProtocolViolation, match="ref 0 is not defined on stream 0 of worker 0"):
         interp.handle(call(1, [1], "torch.ops.aten.neg.default", Ref(0), mutates=[5]))
     with pytest.raises(ProtocolViolation, match="ref 0 is not defined"):
         interp.handle(send_value(2, None, Ref(0)))
@@ -438,7 +438,7 @@ def test_using_a_deleted_ref_is_a_protocol_violation():
 
 def test_a_ref_that_was_never_created_is_a_protocol_violation():
     interp, sent = make(rank=2)
-    with pytest.raises(ProtocolViolation, match="ref 41 is not defined on worker 2"):
+    with pytest.raises(ProtocolViolation, match="ref 41 is not defined on stream 0 of worker 2"):
         interp.handle(call(0, [1], "builtins.len", {"k": [Ref(41)]}))
     assert sent == [] and interp.env == {}
 
@@ -462,8 +462,10 @@ def test_request_status_after_one_hundred_ops():
         interp.handle(m.CallFunction(i, (i + 2,), (), ONES, ([2, 3],), {}, stream=i % 2))
     interp.handle(m.RequestStatus(100))
     assert sent == [m.Status(0, 101)]
-    assert sorted(interp.env) == list(range(2, 102))
-    assert all(torch.equal(v, torch.ones(2, 3)) for v in interp.env.values())
+    # each stream owns the refs it defined
+    assert sorted(interp.streams[0].env) == list(range(2, 102, 2))
+    assert sorted(interp.streams[1].env) == list(range(3, 102, 2))
+    assert all(torch.equal(v, torch.ones(2, 3)) for s in (0, 1) for v in interp.streams[s].env.values())
 
 
 def test_request_status_names_the_rank_and_follows_failures():

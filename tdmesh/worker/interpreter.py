@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -16,8 +17,11 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import messages as m
+from . import collectives
 from .functions import resolve
+from .groups import Groups
 from .mesh import WorkerMesh
+from .streams import Stream
 
 log = logging.getLogger("tdmesh.worker")
 
@@ -44,51 +48,143 @@ class ProtocolViolation(RuntimeError):
     """A message this worker cannot interpret: a bug or a foreign peer, never ignored."""
 
 
-class Interpreter:
-    """Executes client messages in order for one worker rank.
+class BorrowSlot:
+    """A value lent from one stream to another, with the events that order the two."""
+    __slots__ = ("msg", "created", "released", "value", "event", "last_event")
 
-    ``send`` delivers a worker->client message.  Streams other than the default one come
-    with the streams issue; every message carries its stream id already.
+    def __init__(self, msg: m.BorrowCreate) -> None:
+        self.msg = msg
+        self.created = threading.Event()
+        self.released = threading.Event()
+        self.value = None
+        self.event = None
+        self.last_event = None
+
+
+class Interpreter:
+    """Executes client messages for one worker rank.
+
+    The message thread routes each message to the stream(s) it names; each stream runs its
+    work in order on its own thread (``threaded=False`` runs everything inline, for unit
+    tests).  ``send`` delivers a worker->client message and may be called from any stream.
     """
 
     current: "Interpreter | None" = None  # this process's interpreter, for builtins that report on it
 
-    def __init__(self, rank: int, device: torch.device, send: Callable[[Any], None]) -> None:
+    def __init__(self, rank: int, device: torch.device, send: Callable[[Any], None], *,
+                 world_size: int = 1, threaded: bool = False) -> None:
         Interpreter.current = self
         self.rank = rank
         self.device = device
         self.send = send
-        self.env: dict[int, Any] = {}
+        self.threaded = threaded
+        self.streams: dict[int, Stream] = {}
+        self.groups = Groups(rank, world_size)
+        self.borrows: dict[int, BorrowSlot] = {}
         self.caused_error = False
+        self.fatal: BaseException | None = None
         self.exit_request: m.Exit | None = None
         self._handlers = {cls: getattr(self, cls.__name__) for cls in m.CLIENT_TO_WORKER}
+        self.stream(0)
 
-    # -- dispatch ----------------------------------------------------------------------
+    @property
+    def env(self) -> dict:
+        """The default stream's refs."""
+        return self.streams[0].env
+
+    def stream(self, stream_id: int) -> Stream:
+        s = self.streams.get(stream_id)
+        if s is None:
+            s = self.streams[stream_id] = Stream(stream_id, self.device, self._on_fatal, self.threaded)
+        return s
+
+    def _on_fatal(self, error: BaseException) -> None:
+        if self.fatal is None:
+            self.fatal = error
+
+    # -- routing (message thread) -----------------------------------------------------------
     def handle(self, msg) -> None:
         handler = self._handlers.get(type(msg))
         if handler is None:
             raise ProtocolViolation(f"worker {self.rank} got an unknown message {type(msg).__name__}: {msg!r}")
         handler(msg)
 
-    # -- handlers (named after their messages) -------------------------------------------
+    # handlers: named after the messages they handle
     def CallFunction(self, msg: m.CallFunction) -> None:
-        try:
-            fn = resolve(msg.function)
-            args = self._resolve(msg.args)
-            kwargs = self._resolve(msg.kwargs) if msg.kwargs else {}
-            self._bind(msg.results, fn(*args, **kwargs))
-        except DependentOnError as e:
-            self._poison(msg.results, msg.mutates, e.poison)
-        except ProtocolViolation:
-            raise  # a broken message, not a failing user function: the worker loop stops
-        except Exception as e:
-            self._fail(msg.seq, msg.results, msg.mutates, e, msg.function)
+        self.stream(msg.stream).submit(self._call_function, msg)
 
     def SendValue(self, msg: m.SendValue) -> None:
+        self.stream(msg.stream).submit(self._send_value, msg)
+
+    def Reduce(self, msg: m.Reduce) -> None:
+        self.stream(msg.stream).submit(self._reduce, msg)
+
+    def SendTensor(self, msg: m.SendTensor) -> None:
+        sends = self.rank in msg.from_ranks
+        receives = self.rank in msg.to_ranks
+        if sends and receives and msg.from_stream != msg.to_stream:
+            self.stream(msg.to_stream).submit(self._unsupported_p2p, msg)
+            return
+        self.stream(msg.from_stream if sends else msg.to_stream).submit(self._send_tensor, msg)
+
+    def CreateGroups(self, msg: m.CreateGroups) -> None:
+        self.groups.create(msg)  # collective over every rank: here, in message order
+
+    def BorrowCreate(self, msg: m.BorrowCreate) -> None:
+        if msg.borrow in self.borrows:
+            raise ProtocolViolation(f"borrow {msg.borrow} already exists on worker {self.rank}")
+        self.borrows[msg.borrow] = BorrowSlot(msg)
+        self.stream(msg.from_stream).submit(self._borrow_create, msg)
+
+    def BorrowFirstUse(self, msg: m.BorrowFirstUse) -> None:
+        self.stream(self._borrow(msg.borrow).msg.to_stream).submit(self._borrow_first_use, msg)
+
+    def BorrowLastUse(self, msg: m.BorrowLastUse) -> None:
+        self.stream(self._borrow(msg.borrow).msg.to_stream).submit(self._borrow_last_use, msg)
+
+    def BorrowDrop(self, msg: m.BorrowDrop) -> None:
+        self.stream(self._borrow(msg.borrow).msg.from_stream).submit(self._borrow_drop, msg)
+
+    def DeleteRefs(self, msg: m.DeleteRefs) -> None:
+        for s in list(self.streams.values()):
+            s.submit(self._delete_refs, msg)
+
+    def RequestStatus(self, msg: m.RequestStatus) -> None:
+        streams = list(self.streams.values())
+        pending = [len(streams), threading.Lock()]
+        for s in streams:
+            s.submit(self._status_marker, (msg, pending))
+
+    def CommandGroup(self, msg: m.CommandGroup) -> None:
+        for command in msg.commands:
+            self.handle(command)
+
+    def Exit(self, msg: m.Exit) -> None:
+        for s in self.streams.values():
+            s.close()
+        self.exit_request = msg
+
+    # -- work (stream threads) -----------------------------------------------------------------
+    def _call_function(self, msg: m.CallFunction, stream: Stream) -> None:
+        env = stream.env
+        try:
+            fn = resolve(msg.function)
+            args = self._resolve(msg.args, stream)
+            kwargs = self._resolve(msg.kwargs, stream) if msg.kwargs else {}
+            self._bind(env, msg.results, fn(*args, **kwargs))
+        except DependentOnError as e:
+            self._poison(env, msg.results, msg.mutates, e.poison)
+        except ProtocolViolation:
+            raise  # a broken message, not a failing user function: the worker stops
+        except Exception as e:
+            self._fail(env, msg.seq, msg.results, msg.mutates, e, msg.function)
+
+    def _send_value(self, msg: m.SendValue, stream: Stream) -> None:
+        env = stream.env
         try:
             fn = resolve(msg.function) if msg.function is not None else None
-            args = self._resolve(msg.args)
-            kwargs = self._resolve(msg.kwargs) if msg.kwargs else {}
+            args = self._resolve(msg.args, stream)
+            kwargs = self._resolve(msg.kwargs, stream) if msg.kwargs else {}
             if fn is None:
                 if len(args) != 1 or kwargs:
                     raise ProtocolViolation("SendValue without a function takes exactly one argument")
@@ -97,85 +193,150 @@ class Interpreter:
                 value = fn(*args, **kwargs)
             payload = pickle.dumps(tree_map(_to_fetchable, value), protocol=pickle.HIGHEST_PROTOCOL)
         except DependentOnError as e:
-            self._poison((), msg.mutates, e.poison)
+            self._poison(env, (), msg.mutates, e.poison)
             self.send(m.FetchResult(msg.seq, None, m.DependentError(e.poison.seq)))
             return
         except ProtocolViolation:
             raise
         except Exception as e:
-            self._fail(msg.seq, (), msg.mutates, e, msg.function)
+            self._fail(env, msg.seq, (), msg.mutates, e, msg.function)
             self.send(m.FetchResult(msg.seq, None, m.DependentError(msg.seq)))
             return
         self.send(m.FetchResult(msg.seq, payload))
 
-    def DeleteRefs(self, msg: m.DeleteRefs) -> None:
-        env = self.env
+    def _reduce(self, msg: m.Reduce, stream: Stream) -> None:
+        try:
+            collectives.reduce(self, msg, stream)
+        except ProtocolViolation:
+            raise
+        except Exception as e:
+            targets = (msg.result,) if msg.result is not None else ()
+            self._fail(stream.env, msg.seq, targets, (msg.out,) if msg.out is not None else (), e, "reduce")
+
+    def _send_tensor(self, msg: m.SendTensor, stream: Stream) -> None:
+        try:
+            collectives.send_tensor(self, msg, stream)
+        except ProtocolViolation:
+            raise
+        except Exception as e:
+            env = self.stream(msg.to_stream).env
+            self._fail(env, msg.seq, (msg.result,) if self.rank in msg.to_ranks else (), (), e, "to_mesh")
+
+    def _unsupported_p2p(self, msg: m.SendTensor, stream: Stream) -> None:
+        error = NotImplementedError(f"to_mesh: rank {self.rank} would both send on stream {msg.from_stream} and "
+                                    f"receive on stream {msg.to_stream}; move within one stream")
+        self._fail(stream.env, msg.seq, (msg.result,), (), error, "to_mesh")
+
+    def _borrow(self, borrow: int) -> BorrowSlot:
+        try:
+            return self.borrows[borrow]
+        except KeyError:
+            raise ProtocolViolation(f"borrow {borrow} does not exist on worker {self.rank}") from None
+
+    def _borrow_create(self, msg: m.BorrowCreate, stream: Stream) -> None:
+        slot = self.borrows[msg.borrow]
+        try:
+            slot.value = stream.env[msg.tensor]
+        except KeyError:
+            slot.value = Poison(-1, f"borrowed ref {msg.tensor} does not exist on stream {stream.id}")
+        if stream.cuda is not None:
+            slot.event = torch.cuda.Event()
+            slot.event.record(stream.cuda)
+        slot.created.set()
+
+    def _borrow_first_use(self, msg: m.BorrowFirstUse, stream: Stream) -> None:
+        slot = self.borrows[msg.borrow]
+        slot.created.wait()
+        if slot.event is not None and stream.cuda is not None:
+            stream.cuda.wait_event(slot.event)
+        value = slot.value
+        if isinstance(value, torch.Tensor) and stream.cuda is not None:
+            value.record_stream(stream.cuda)  # the allocator must not reuse it while we read it
+        stream.env[slot.msg.result] = value
+
+    def _borrow_last_use(self, msg: m.BorrowLastUse, stream: Stream) -> None:
+        slot = self.borrows[msg.borrow]
+        if stream.cuda is not None:
+            slot.last_event = torch.cuda.Event()
+            slot.last_event.record(stream.cuda)
+        stream.env.pop(slot.msg.result, None)
+        slot.released.set()
+
+    def _borrow_drop(self, msg: m.BorrowDrop, stream: Stream) -> None:
+        slot = self.borrows[msg.borrow]
+        slot.released.wait()
+        if slot.last_event is not None and stream.cuda is not None:
+            stream.cuda.wait_event(slot.last_event)
+        del self.borrows[msg.borrow]
+
+    def _delete_refs(self, msg: m.DeleteRefs, stream: Stream) -> None:
+        env = stream.env
         for ref in msg.refs:
             env.pop(ref, None)
 
-    def RequestStatus(self, msg: m.RequestStatus) -> None:
-        self.send(m.Status(self.rank, msg.seq + 1))
-
-    def CommandGroup(self, msg: m.CommandGroup) -> None:
-        for command in msg.commands:
-            self.handle(command)
-
-    def Exit(self, msg: m.Exit) -> None:
-        self.exit_request = msg
+    def _status_marker(self, item, stream: Stream) -> None:
+        msg, pending = item
+        with pending[1]:
+            pending[0] -= 1
+            last = pending[0] == 0
+        if last:
+            self.send(m.Status(self.rank, msg.seq + 1))
 
     # -- helpers ---------------------------------------------------------------------------
-    def _resolve(self, obj):
+    def _resolve(self, obj, stream: Stream):
         t = type(obj)
         if t is m.Ref:
             try:
-                value = self.env[obj.id]
+                value = stream.env[obj.id]
             except KeyError:
-                raise ProtocolViolation(f"ref {obj.id} is not defined on worker {self.rank}: it was deleted "
-                                        f"or never created") from None
+                raise ProtocolViolation(f"ref {obj.id} is not defined on stream {stream.id} of worker {self.rank}: "
+                                        f"it was deleted or never created") from None
             if type(value) is Poison:
                 raise DependentOnError(value)
             return value
         if t is tuple or t is list:
-            return t(self._resolve(x) for x in obj)
+            return t(self._resolve(x, stream) for x in obj)
         if t is dict:
-            return {k: self._resolve(v) for k, v in obj.items()}
+            return {k: self._resolve(v, stream) for k, v in obj.items()}
         if t is m.MeshArg:
             return WorkerMesh(obj.shape, self.rank, self.device)
+        if t is m.ProcessGroupArg:
+            return self.groups.remote(obj.ref, stream.id)
         if t is torch.device and obj.type != "cpu":
             return self.device
         return obj
 
-    def _bind(self, results: tuple, value) -> None:
+    @staticmethod
+    def _bind(env: dict, results: tuple, value) -> None:
         if not results:  # the client asked for no results (propagate="inspect")
             return
         if len(results) == 1 and isinstance(value, torch.Tensor):
             if results[0] is not None:
-                self.env[results[0]] = value
+                env[results[0]] = value
             return
         leaves = tree_leaves(value)
         if len(leaves) != len(results):
             raise TypeError(f"function returned {len(leaves)} values where the client expected "
                             f"{len(results)}")
-        env = self.env
         for ref, leaf in zip(results, leaves):
             if ref is not None:
                 env[ref] = leaf
 
-    def _poison(self, results, mutates, poison: Poison) -> None:
-        env = self.env
+    @staticmethod
+    def _poison(env: dict, results, mutates, poison: Poison) -> None:
         for ref in results:
             if ref is not None:
                 env[ref] = poison
         for ref in mutates:
             env[ref] = poison
 
-    def _fail(self, seq, results, mutates, error: BaseException, function) -> None:
+    def _fail(self, env: dict, seq, results, mutates, error: BaseException, function) -> None:
         self.caused_error = True
         tb = traceback.format_exc()
         name = function if isinstance(function, str) else getattr(error, "__qualname__", "a pickled function")
         log.debug("seq %s failed on worker %s running %s:\n%s", seq, self.rank, name, tb)
         self.send(m.RemoteFunctionFailed(seq, self.rank, type(error).__name__, str(error), tb))
-        self._poison(results, mutates, Poison(seq, f"{type(error).__name__}: {error}"))
+        self._poison(env, results, mutates, Poison(seq, f"{type(error).__name__}: {error}"))
 
 
 def _to_fetchable(leaf):

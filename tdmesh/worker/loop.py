@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 
 import torch
@@ -57,8 +58,13 @@ def run_worker() -> int:
 def _serve(rank: int, device: torch.device, conn, token: str) -> int:
     conn.send_messages([m.Hello(rank, token, socket.gethostname(), os.getpid(), str(device),
                                 os.environ.get("TDMESH_LOG_FILE"))])
-    replies: list = []  # the replies to one incoming frame go back as one frame
-    interp = Interpreter(rank, device, replies.append)
+    send_lock = threading.Lock()
+
+    def send(msg) -> None:  # called from any stream thread
+        with send_lock:
+            conn.send_messages([msg])
+
+    interp = Interpreter(rank, device, send, world_size=int(os.environ["WORLD_SIZE"]), threaded=True)
     try:
         while interp.exit_request is None:
             msgs = conn.recv_messages()
@@ -67,12 +73,8 @@ def _serve(rank: int, device: torch.device, conn, token: str) -> int:
                 return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1)
             for msg in msgs:
                 interp.handle(msg)
-                if replies and type(msg) is not m.CallFunction:  # fetches and status go out at once
-                    conn.send_messages(replies)
-                    replies.clear()
-            if replies:
-                conn.send_messages(replies)
-                replies.clear()
+            if interp.fatal is not None:
+                raise interp.fatal
     except (ProtocolError, ProtocolViolation, ConnectionError) as e:
         log.error("rank %d: %s", rank, e)
         return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1)

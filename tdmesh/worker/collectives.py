@@ -1,0 +1,136 @@
+"""Collectives on mesh dims and point-to-point moves between meshes, on the worker.
+
+A rank whose input is poisoned still takes part, with zeros of the right shape, so its
+peers never hang; the client's dataflow history marks the output failed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import messages as m
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR,
+}
+_LOCAL = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor,
+          "sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum}
+
+
+def _value_or_zeros(env: dict, ref, factory, device) -> tuple[torch.Tensor, bool]:
+    from .interpreter import Poison
+    value = env.get(ref)
+    if value is None or type(value) is Poison:
+        shape, dtype = factory
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=device), True
+    return value, False
+
+
+def _all_reduce(y: torch.Tensor, reduction: str, group, n: int) -> None:
+    """In place over ``group``; emulates what a backend lacks (gloo: avg; nccl: bitwise ops)."""
+    backend = dist.get_backend(group)
+    if reduction == "avg" and backend == "gloo":
+        dist.all_reduce(y, dist.ReduceOp.SUM, group=group)
+        if y.is_floating_point() or y.is_complex():
+            y.div_(n)
+        else:
+            y.floor_divide_(n)
+        return
+    if reduction in ("band", "bor", "bxor") and backend == "nccl":
+        parts = torch.empty((n, *y.shape), dtype=y.dtype, device=y.device)
+        dist.all_gather_into_tensor(parts, y.contiguous(), group=group)
+        acc = parts[0].clone()
+        for i in range(1, n):
+            acc = _LOCAL[reduction](acc, parts[i])
+        y.copy_(acc)
+        return
+    dist.all_reduce(y, _OPS[reduction], group=group)
+
+
+def reduce(interp, msg: m.Reduce, stream) -> None:
+    env = stream.env
+    group = interp.groups.dims(msg.stream, msg.mesh, msg.dims)
+    n = dist.get_world_size(group)
+    x, _ = _value_or_zeros(env, msg.tensor, msg.factory, interp.device)
+    out = None
+    if msg.out is not None:
+        out, _ = _value_or_zeros(env, msg.out, _out_factory(msg, n), interp.device)
+    if msg.reduction == "stack":
+        if msg.scatter:  # all-to-all: row i goes to group rank i
+            result = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+            src = x.contiguous()
+            if result.is_contiguous():
+                dist.all_to_all_single(result, src, group=group)
+            else:
+                tmp = torch.empty_like(src)
+                dist.all_to_all_single(tmp, src, group=group)
+                result.copy_(tmp)
+        else:
+            gathered = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(gathered, x.contiguous(), group=group)
+            result = gathered if out is None else out.copy_(gathered)
+        if msg.inplace:
+            x.copy_(result)
+            return
+    elif msg.scatter:
+        full = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+        _all_reduce(full, msg.reduction, group, n)
+        part = full[dist.get_rank(group)]
+        result = part.clone() if out is None else out.copy_(part)
+    else:
+        if msg.inplace:
+            target = x
+        elif out is not None:
+            target = out.copy_(x)
+        else:
+            target = x.clone(memory_format=torch.contiguous_format)
+        if target.is_contiguous():
+            _all_reduce(target, msg.reduction, group, n)
+        else:
+            tmp = target.contiguous()
+            _all_reduce(tmp, msg.reduction, group, n)
+            target.copy_(tmp)
+        result = target
+    if msg.result is not None:
+        env[msg.result] = result
+
+
+def _out_factory(msg: m.Reduce, n: int) -> tuple:
+    """Shape and dtype of the output: ``[n, *shape]`` for a stack, ``shape[1:]`` for a reduce-scatter."""
+    shape, dtype = msg.factory
+    if msg.reduction == "stack" and not msg.scatter:
+        return (n, *shape), dtype
+    if msg.scatter and msg.reduction != "stack":
+        return tuple(shape[1:]), dtype
+    return tuple(shape), dtype
+
+
+def send_tensor(interp, msg: m.SendTensor, stream) -> None:
+    """``to_mesh``: rank ``from_ranks[i]`` sends to ``to_ranks[i]``; a same-rank move is a copy."""
+    rank = interp.rank
+    from_env = interp.stream(msg.from_stream).env if rank in msg.from_ranks else None
+    to_env = interp.stream(msg.to_stream).env
+    ops = []
+    received = None
+    if from_env is not None:
+        x, _ = _value_or_zeros(from_env, msg.tensor, msg.factory, interp.device)
+        dst = msg.to_ranks[msg.from_ranks.index(rank)]
+        if dst == rank:
+            received = x.clone()
+        else:
+            group = interp.groups.p2p(msg.from_stream, msg.to_stream)
+            ops.append(dist.P2POp(dist.isend, x.contiguous(), dst, group))
+    if rank in msg.to_ranks and received is None:
+        src = msg.from_ranks[msg.to_ranks.index(rank)]
+        shape, dtype = msg.factory
+        received = torch.empty(shape, dtype=getattr(torch, dtype), device=interp.device)
+        group = interp.groups.p2p(msg.from_stream, msg.to_stream)
+        ops.append(dist.P2POp(dist.irecv, received, src, group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    if rank in msg.to_ranks:
+        to_env[msg.result] = received

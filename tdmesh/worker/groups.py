@@ -1,0 +1,77 @@
+"""The only place a worker creates torch.distributed process groups.
+
+``new_group`` is collective over the whole world unless every rank's group history is
+identical (torch's hashed names for ``use_local_synchronization`` depend on how many groups
+a rank already has, so sub-mesh traffic would make ranks disagree).  So the client sends
+``CreateGroups`` to *every* rank, once per key, and every rank creates every group of the
+key in the same order (``grouping.all_groups``), keeping the one it belongs to.  Creation
+runs on the worker's message thread, in the client's one global message order.
+
+Keys: one group set per (stream, mesh, dims), so collectives on different streams never
+queue behind each other on one communicator; one per (ref, stream) for the groups users
+get from ``mesh.process_group``; one all-ranks group per (from stream, to stream) for P2P.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+from .. import messages as m
+from ..grouping import all_groups
+
+log = logging.getLogger("tdmesh.worker")
+
+
+class Groups:
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._groups: dict = {}
+        self.created = 0
+
+    @staticmethod
+    def key(msg: m.CreateGroups) -> tuple:
+        if msg.kind == "dims":
+            return ("dims", msg.stream, msg.mesh, msg.dims)
+        if msg.kind == "remote":
+            return ("remote", msg.ref, msg.stream)
+        if msg.kind == "p2p":
+            return ("p2p", msg.stream, msg.to_stream)
+        raise ValueError(f"unknown group kind {msg.kind!r}")
+
+    def create(self, msg: m.CreateGroups) -> None:
+        key = self.key(msg)
+        if key in self._groups:
+            raise RuntimeError(f"process groups {key} were already created on rank {self.rank}")
+        if msg.kind == "p2p":
+            member_lists = [list(range(self.world_size))]
+        else:
+            member_lists = all_groups(msg.mesh, msg.dims)
+        mine = None
+        for i, members in enumerate(member_lists):
+            group = dist.new_group(members, group_desc=f"tdmesh:{msg.kind}:s{msg.stream}:{i}")
+            if self.rank in members:
+                mine = group
+        self._groups[key] = mine  # None where this rank is outside the mesh
+        self.created += len(member_lists)
+        log.debug("rank %d created %d groups for %s", self.rank, len(member_lists), key)
+
+    def dims(self, stream: int, mesh, dims: tuple):
+        return self._lookup(("dims", stream, mesh, dims))
+
+    def remote(self, ref: int, stream: int):
+        return self._lookup(("remote", ref, stream))
+
+    def p2p(self, from_stream: int, to_stream: int):
+        return self._lookup(("p2p", from_stream, to_stream))
+
+    def _lookup(self, key):
+        try:
+            group = self._groups[key]
+        except KeyError:
+            raise RuntimeError(f"rank {self.rank} has no process group {key}: the client did not create it") from None
+        if group is None:
+            raise RuntimeError(f"rank {self.rank} is not a member of process group {key}")
+        return group

@@ -1,0 +1,73 @@
+"""Worker streams: each an ordered queue of work with its own thread (and CUDA stream).
+
+Work on different streams really runs concurrently, which is what lets communication on
+one stream overlap compute on another (and what lets two ops that wait on each other
+from different streams both finish).  Each stream owns the refs it defines; values cross
+streams only through borrows.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("tdmesh.worker")
+
+
+class Stream:
+    def __init__(self, stream_id: int, device: torch.device, on_fatal: Callable[[BaseException], None],
+                 threaded: bool = True) -> None:
+        self.id = stream_id
+        self.env: dict = {}
+        self.device = device
+        self.cuda = None
+        if device.type == "cuda" and torch.cuda.is_available():
+            self.cuda = torch.cuda.current_stream(device) if stream_id == 0 else torch.cuda.Stream(device)
+        self._on_fatal = on_fatal
+        self._queue: queue.SimpleQueue | None = None
+        self._thread = None
+        if threaded:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._loop, name=f"tdmesh-stream-{stream_id}", daemon=True)
+            self._thread.start()
+
+    def submit(self, fn: Callable, msg) -> None:
+        """Run ``fn(msg, self)`` on this stream after everything submitted before."""
+        if self._queue is None:
+            self._run(fn, msg, raise_errors=True)
+        else:
+            self._queue.put((fn, msg))
+
+    def _loop(self) -> None:
+        if self.cuda is not None:
+            torch.cuda.set_device(self.device)
+        get = self._queue.get
+        while True:
+            item = get()
+            if item is None:
+                return
+            self._run(item[0], item[1], raise_errors=False)
+
+    def _run(self, fn, msg, raise_errors: bool) -> None:
+        try:
+            if self.cuda is not None:
+                with torch.cuda.stream(self.cuda):
+                    fn(msg, self)
+            else:
+                fn(msg, self)
+        except BaseException as e:  # noqa: BLE001 - an infrastructure error ends the worker
+            if raise_errors:
+                raise
+            log.error("stream %d stopped on %s: %s", self.id, type(e).__name__, e)
+            self._on_fatal(e)
+
+    def close(self) -> None:
+        """Finish the queued work and stop the thread."""
+        if self._queue is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._queue = None
