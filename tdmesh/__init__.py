@@ -12,7 +12,9 @@ from ._context import get_active_mesh, no_mesh
 from .errors import DeviceException, RemoteException
 from .future import Future
 from .tensor import Tensor
-from .remote import Remote, remote
+from .remote import Remote, RemoteProcessGroup, remote
+from .stream import Borrow, Stream, get_active_stream
+from .collectives import MeshSliceTensor, reduce, reduce_, slice_mesh, to_mesh
 from .fetch import call_on_shard_and_fetch, fetch_shard, inspect
 from .launcher import local_mesh, local_meshes, restart_count, world_mesh
 
@@ -20,5 +22,6 @@ __all__ = [
     "Slice", "Shape", "UnknownDimError", "DeviceMesh", "get_active_mesh", "no_mesh",
     "DeviceException", "RemoteException", "Future", "Tensor", "Remote", "remote",
     "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
-    "restart_count", "world_mesh",
+    "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
+    "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh",
 ]

@@ -52,6 +52,7 @@ class Client:
         self._buffered_bytes = 0
         self._last_flush = time.monotonic()
         self._deletes: dict[object, tuple] = {}   # ranks slice -> (mesh, [refs])
+        self._groups: set = set()                 # CreateGroups keys already sent
         self.history = History(self.ranks)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.failure: DeviceException | None = None
@@ -103,6 +104,15 @@ class Client:
 
     def send_all(self, msg) -> None:
         self.send(None, msg, ranks=self.ranks)
+
+    def ensure_groups(self, msg: m.CreateGroups) -> None:
+        """Have every rank create the process groups of ``msg``, once per key."""
+        key = (msg.kind, msg.stream, msg.mesh, msg.dims, msg.ref, msg.to_stream)
+        if key not in self._groups:
+            with self.lock:
+                if key not in self._groups:
+                    self._groups.add(key)
+                    self.send_all(msg)
 
     def delete_ref(self, ref: int, mesh) -> None:
         """Called when a proxy dies (any thread): batched into the next flush."""

@@ -7,7 +7,8 @@ from torch.utils._pytree import tree_flatten
 from . import messages as m
 from ._context import active_mesh_or_none
 from .future import Future
-from .remote import Remote, _mesh_of
+from .remote import Remote, _mesh_of, prepare_call
+from .stream import get_active_stream
 from .tensor import Tensor, _wire, user_line
 
 __all__ = ["fetch_shard", "inspect", "call_on_shard_and_fetch"]
@@ -31,14 +32,17 @@ def _shard_rank(mesh, shard: dict | None, coords: dict) -> int:
 
 
 def _send_value(mesh, function, args, kwargs, rank: int) -> Future:
+    """A SendValue to one rank, on the stream of the tensors it reads (else the active one)."""
     client = mesh.client
     flat, _ = tree_flatten((args, kwargs))
-    uses = [x.ref for x in flat if type(x) is Tensor]
+    tensors = [x for x in flat if type(x) is Tensor]
+    stream = tensors[0].stream if tensors else get_active_stream()
+    _, groups = prepare_call(flat, mesh, stream)
     fut = Future(client)
     with client.lock:
         seq = client.new_seq()
-        client.send(mesh, m.SendValue(seq, (), function, _wire(args), _wire(kwargs)), seq, uses, (), fut,
-                    ranks=(rank,), deletes_first=True)
+        client.send(mesh, m.SendValue(seq, (), function, _wire(args), _wire(kwargs), stream.id, groups), seq,
+                    [t.ref for t in tensors], (), fut, ranks=(rank,), deletes_first=True)
         client.request_status(seq)
         client.flush()
     return fut

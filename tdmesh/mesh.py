@@ -90,10 +90,10 @@ class DeviceMesh:
         return self._shape.to_table()
 
     # -- live: these talk to the fleet -------------------------------------------------------
-    @property
-    def _tdmesh_mesh_shape(self) -> Shape:
+    def _tdmesh_wire(self):
         """How a mesh argument travels to a remote function (the worker sees its own view)."""
-        return self._shape
+        from .messages import MeshArg
+        return MeshArg(self._shape)
 
     @property
     def device_type(self) -> str:
@@ -127,6 +127,13 @@ class DeviceMesh:
     def process_idx(self):
         """A remote int64 scalar: each worker's global rank."""
         return _builtin("process_idx")(self)
+
+    def process_group(self, dims: str | Sequence[str]):
+        """A process group over ``dims`` that remote functions receive as a real
+        ``torch.distributed.ProcessGroup`` (on the calling stream).  Each call is a new group."""
+        from .remote import RemoteProcessGroup
+        self._live()
+        return RemoteProcessGroup(self, dims)
 
     def exit(self, error: str | None = None) -> None:
         """Shut the fleet down (idempotent) and raise any remote error nobody observed."""

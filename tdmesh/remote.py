@@ -20,7 +20,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from . import messages as m
 from ._context import active_mesh_or_none
 from .propagation import meta_tensor, tensor_meta
-from .tensor import Tensor, _Aliases, _describe, _op_path, _wire, user_line
+from .stream import get_active_stream
+from .tensor import Tensor, _Aliases, _describe, _op_path, _wire, check_inputs, check_mutation, user_line
 
 __all__ = ["remote", "Remote", "function_path"]
 
@@ -96,8 +97,6 @@ def _mesh_of(flat) -> Any:
             elif x._mesh is not mesh:
                 raise TypeError(f"WRONG_MESH: remote function arguments live on two meshes "
                                 f"({mesh.shape} and {x._mesh.shape})\n  at {user_line()}")
-            if x.dropped:
-                raise TypeError(f"DROPPED: tensor {x.ref} was dropped and cannot be passed\n  at {user_line()}")
     if mesh is None:
         mesh = active_mesh_or_none()
     if mesh is None:  # no tensors, no active mesh: a mesh argument says where
@@ -108,11 +107,27 @@ def _mesh_of(flat) -> Any:
     return mesh
 
 
+def prepare_call(flat, mesh, stream) -> tuple:
+    """Checks shared by remote calls and fetches: placement and borrow rules of the tensor
+    arguments, and creation of the process groups passed as arguments (once per stream)."""
+    remote_args = [x for x in flat if type(x) is Tensor]
+    check_inputs(remote_args, mesh, "a remote function", stream)
+    groups = []
+    for x in flat:
+        if isinstance(x, RemoteProcessGroup):
+            if x.mesh.client is not mesh.client:
+                raise TypeError(f"{x!r} belongs to another fleet than the mesh this call runs on\n  at {user_line()}")
+            mesh.client.ensure_groups(m.CreateGroups("remote", stream.id, x.mesh.shape, x.dims, x.ref))
+            groups.append(x._tdmesh_wire())
+    return remote_args, tuple(groups)
+
+
 def call_remote(fn: Remote, args: tuple, kwargs: dict):
     flat, _ = tree_flatten((args, kwargs))
     mesh = _mesh_of(flat)
     client = mesh.client
-    remote_args = [x for x in flat if type(x) is Tensor]
+    stream = get_active_stream()
+    remote_args, groups = prepare_call(flat, mesh, stream)
     if fn._propagate == "inspect":
         outputs, out_leaves, mutated = None, [], []
     elif fn._propagate is None or fn._propagate == "cached":
@@ -130,11 +145,14 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict):
                 continue
             ref = client.new_ref()
             aliases = source._r.aliases if source is not None else _Aliases()
-            proxies.append(Tensor(tensor_meta(leaf), client.device, mesh, ref, aliases))
+            proxies.append(Tensor(tensor_meta(leaf), client.device, mesh, ref, aliases, stream))
             results.append(ref)
+        for t in mutated:
+            check_mutation(t, fn)
         mutated_refs = [r for t in mutated for r in t._r.aliases.refs]
         seq = client.new_seq()
-        msg = m.CallFunction(seq, tuple(results), tuple(mutated_refs), fn._target, _wire(args), _wire(kwargs))
+        msg = m.CallFunction(seq, tuple(results), tuple(mutated_refs), fn._target, _wire(args), _wire(kwargs),
+                             stream.id, groups)
         client.send(mesh, msg, seq, [t.ref for t in remote_args], [r for r in results if r is not None] + mutated_refs)
     if outputs is None:
         return None
@@ -172,3 +190,25 @@ def _propagate_with(propagate: Callable, args, kwargs):
             raise TypeError(f"the propagate function must return tensors (a pytree of them), got {type(x).__name__}")
         leaves.append((x, originals.get(id(x))))
     return spec, leaves, mutated
+
+
+class RemoteProcessGroup:
+    """``mesh.process_group(dims)``: a remote function receives it as a real
+    ``torch.distributed.ProcessGroup`` over ``dims``, on the stream the call runs on."""
+
+    def __init__(self, mesh, dims) -> None:
+        from .grouping import normalize_dims
+        if isinstance(dims, str):
+            dims = (dims,)
+        self.mesh = mesh
+        self.dims = normalize_dims(mesh.shape, dims)
+        self.ref = mesh.client.new_ref()
+
+    def size(self) -> int:
+        return self.mesh.size(self.dims)
+
+    def _tdmesh_wire(self):
+        return m.ProcessGroupArg(self.ref, self.mesh.shape, self.dims)
+
+    def __repr__(self) -> str:
+        return f"<tdmesh.RemoteProcessGroup {self.ref} over {list(self.dims)} of {self.mesh.shape}>"

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_unflatten
 
 from . import messages as m
 from ._context import active_mesh_or_none
+from .stream import get_active_stream
 from .propagation import TensorMeta, op_aliasing, propagate, schema_arg
 
 _TDMESH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -76,11 +77,16 @@ class _Ref:
 
 class _Aliases:
     """The live refs that share one worker storage: mutating any of them changes all of them.
-    Held weakly, so a proxy's death is not delayed until the cycle collector runs."""
-    __slots__ = ("refs",)
+    Held weakly, so a proxy's death is not delayed until the cycle collector runs.  Also the
+    borrow state of that storage: read borrows of it, a mutable borrow of it, or the Borrow
+    that lent it (when these refs are the borrowed side)."""
+    __slots__ = ("refs", "read_borrows", "mutable_borrow", "borrow")
 
     def __init__(self) -> None:
         self.refs: weakref.WeakValueDictionary[int, _Ref] = weakref.WeakValueDictionary()
+        self.read_borrows = 0
+        self.mutable_borrow = None
+        self.borrow = None
 
 
 class Tensor(torch.Tensor):
@@ -88,17 +94,17 @@ class Tensor(torch.Tensor):
 
     _r: _Ref
     _mesh: Any
-    _stream: int
+    _stream: Any
 
     @staticmethod
-    def __new__(cls, meta: TensorMeta, device, mesh, ref_id: int, aliases: _Aliases, stream: int = 0):
+    def __new__(cls, meta: TensorMeta, device, mesh, ref_id: int, aliases: _Aliases, stream=None):
         t = torch.Tensor._make_wrapper_subclass(cls, meta.size, strides=meta.stride,
                                                 storage_offset=meta.offset, dtype=meta.dtype,
                                                 device=device, requires_grad=False)
         t._r = _Ref(ref_id, mesh, aliases)
         t._meta = meta
         t._mesh = mesh
-        t._stream = stream
+        t._stream = stream if stream is not None else get_active_stream()
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -123,6 +129,28 @@ class Tensor(torch.Tensor):
     def dropped(self) -> bool:
         return self._r.dropped_at is not None
 
+    def reduce(self, dims=(), reduction: str = "sum", scatter: bool = False, mesh=None, _inplace: bool = False,
+               out=None):
+        """Reduce over mesh ``dims`` (``()`` = every dim): ``sum avg product min max band bor bxor``
+        or ``stack`` (a leading dim of the group size); ``scatter`` splits dim 0 over the group."""
+        from .collectives import _reduce
+        return _reduce(self, dims, reduction, scatter, mesh, _inplace, out)
+
+    def reduce_(self, dims=(), reduction: str = "sum", scatter: bool = False, mesh=None):
+        """In-place :meth:`reduce`."""
+        from .collectives import _reduce
+        return _reduce(self, dims, reduction, scatter, mesh, True, None)
+
+    def to_mesh(self, mesh, stream=None):
+        """A copy of this tensor on ``mesh`` (dims matched by name, broadcast over new dims)."""
+        from .collectives import _to_mesh
+        return _to_mesh(self, self._mesh, mesh, stream)
+
+    def slice_mesh(self, **kw):
+        """This tensor restricted to ``self.mesh.slice(**kw)``, to move with ``.to_mesh``."""
+        from .collectives import MeshSliceTensor
+        return MeshSliceTensor(self, self._mesh.slice(**kw))
+
     def drop(self) -> None:
         """Free this tensor and every view sharing its memory on the workers, now."""
         if self._r.dropped_at is not None:
@@ -135,8 +163,9 @@ class Tensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         state = " dropped" if self.dropped else ""
+        on = "" if self._stream.id == 0 else f", stream={self._stream.name!r}"
         return (f"tdmesh.Tensor(shape={list(self.shape)}, dtype={self.dtype}, device={self.device}, "
-                f"mesh={self._mesh.shape}, ref={self._r.id}{state})")
+                f"mesh={self._mesh.shape}{on}, ref={self._r.id}{state})")
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a tdmesh.Tensor cannot be pickled: its data lives on the workers; "
@@ -227,15 +256,50 @@ def dispatch(func, args: tuple, kwargs: dict):
                         f"  {_describe(local[0])}\nmove it to the mesh with torch.tensor(...) under "
                         f"`with mesh.activate():`, or run local code under tdmesh.no_mesh.activate()\n"
                         f"  at {user_line()}"))
+    check_inputs(remote, mesh, func)
+    return _dispatch_remote(func, args, kwargs, key, remote, mesh, client)
+
+
+def check_inputs(remote: list, mesh, what, stream=None) -> None:
+    """Placement and permission checks for an op's remote inputs, raised at the user's line."""
+    stream = stream if stream is not None else get_active_stream()
     for t in remote:
         if t._mesh is not mesh:
-            _raise(TypeError(f"WRONG_MESH: {func} mixes tensors from two meshes:\n  {_describe(remote[0])}\n"
-                            f"  {_describe(t)}\nmove one with t.to_mesh(other_mesh)\n  at {user_line()}"))
-        if t._r.dropped_at is not None:
-            _raise(TypeError(f"DROPPED: tensor {t._r.id} is dropped at:\n"
-                            f"{''.join(traceback.format_list(frames(t._r.dropped_at)))}"
-                            f"and cannot be used in {func}\n  at {user_line()}"))
-    return _dispatch_remote(func, args, kwargs, key, remote, mesh, client)
+            _raise(TypeError(f"WRONG_MESH: {what} mixes tensors from two meshes:\n  {_describe(remote[0])}\n"
+                             f"  {_describe(t)}\nmove one with t.to_mesh(other_mesh)\n  at {user_line()}"))
+        r = t._r
+        if r.dropped_at is not None:
+            _raise(TypeError(f"DROPPED: tensor {r.id} is dropped at:\n"
+                             f"{''.join(traceback.format_list(frames(r.dropped_at)))}"
+                             f"and cannot be used in {what}\n  at {user_line()}"))
+        if t._stream is not stream:
+            _raise(TypeError(f"WRONG_STREAM: tensor {r.id} lives on {t._stream!r} but the active stream is "
+                             f"{stream!r}; borrow it with {stream.name!r} stream.borrow(t), or activate its stream"
+                             f"\n  at {user_line()}"))
+        aliases = r.aliases
+        if aliases.mutable_borrow is not None:
+            _raise(TypeError(f"BORROWED: tensor {r.id} is mutably borrowed by {aliases.mutable_borrow.stream!r} "
+                             f"(at {_site_text(aliases.mutable_borrow.site)}); drop the borrow before using it"
+                             f"\n  at {user_line()}"))
+        if aliases.borrow is not None and not aliases.borrow.first_use_sent:
+            aliases.borrow.first_use()
+
+
+def check_mutation(t, what) -> None:
+    aliases = t._r.aliases
+    if aliases.read_borrows:
+        _raise(TypeError(f"MUTATING_BORROW: tensor {t._r.id} would be mutated by {what} while it is borrowed "
+                         f"read-only; drop the borrow first\n  at {user_line()}"))
+    if aliases.borrow is not None and not aliases.borrow.mutable:
+        _raise(TypeError(f"MUTATING_BORROW: tensor {t._r.id} is a read-only borrow (made at "
+                         f"{_site_text(aliases.borrow.site)}) and would be mutated by {what}\n  at {user_line()}"))
+
+
+def _site_text(site) -> str:
+    if not site:
+        return "<unknown>"
+    filename, lineno, name = site[0]
+    return f'File "{filename}", line {lineno}, in {name}'
 
 
 def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
@@ -261,10 +325,12 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
         target = schema_arg(func, args, kwargs, position)
         for t in (target if isinstance(target, (list, tuple)) else (target,)):
             if type(t) is Tensor:
+                check_mutation(t, func)
                 mutated_refs.extend(t._r.aliases.refs)
     results: list = []
     outputs: list = []
     leaf_sources = _leaf_sources(aliasing, out, func, args, kwargs)
+    stream = get_active_stream()
     with client.lock:
         for leaf, (source, is_write) in zip(out.leaves, leaf_sources):
             if type(leaf) is tuple and leaf and leaf[0] == "value":
@@ -280,11 +346,11 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
             if aliases is None:
                 aliases = _Aliases()
             ref = client.new_ref()
-            outputs.append(Tensor(leaf, device, mesh, ref, aliases))
+            outputs.append(Tensor(leaf, device, mesh, ref, aliases, stream))
             results.append(ref)
         seq = client.new_seq()
         msg = m.CallFunction(seq, tuple(results), tuple(mutated_refs), _op_path(func),
-                             _wire(args), _wire(kwargs) if kwargs else {})
+                             _wire(args), _wire(kwargs) if kwargs else {}, stream.id)
         uses = [t._r.id for t in remote]
         defs = [r for r in results if r is not None] + mutated_refs
         client.send(mesh, msg, seq, uses, defs)
@@ -336,9 +402,9 @@ def _wire(obj):
         return {k: _wire(v) for k, v in obj.items()}
     if t is torch.Tensor or isinstance(obj, torch.Tensor):
         return obj
-    mesh_shape = getattr(obj, "_tdmesh_mesh_shape", None)
-    if mesh_shape is not None:
-        return m.MeshArg(mesh_shape)
+    wire = getattr(obj, "_tdmesh_wire", None)
+    if wire is not None:
+        return wire()
     return obj
 
 
@@ -348,11 +414,13 @@ def _ship_local(func, data: torch.Tensor, mesh):
     device = client.device
     meta = TensorMeta(tuple(data.shape), tuple(data.stride()), 0, data.dtype)
     data = data.detach().clone()
+    stream = get_active_stream()
     with client.lock:
         ref = client.new_ref()
-        out = Tensor(meta, device, mesh, ref, _Aliases())
+        out = Tensor(meta, device, mesh, ref, _Aliases(), stream)
         seq = client.new_seq()
-        msg = m.CallFunction(seq, (ref,), (), "torch.ops.aten._to_copy.default", (data,), {"device": device})
+        msg = m.CallFunction(seq, (ref,), (), "torch.ops.aten._to_copy.default", (data,), {"device": device},
+                             stream.id)
         client.send(mesh, msg, seq, [], [ref])
     return out
 

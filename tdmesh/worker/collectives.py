@@ -16,6 +16,8 @@ _OPS = {
     "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "band": dist.ReduceOp.BAND,
     "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR,
 }
+# torch 2.13 renamed all_gather_into_tensor; 2.11 only has the old name
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _LOCAL = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor,
           "sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum}
 
@@ -40,14 +42,21 @@ def _all_reduce(y: torch.Tensor, reduction: str, group, n: int) -> None:
             y.floor_divide_(n)
         return
     if reduction in ("band", "bor", "bxor") and backend == "nccl":
-        parts = torch.empty((n, *y.shape), dtype=y.dtype, device=y.device)
-        dist.all_gather_into_tensor(parts, y.contiguous(), group=group)
+        parts = _all_gather(y, group, n)
         acc = parts[0].clone()
         for i in range(1, n):
             acc = _LOCAL[reduction](acc, parts[i])
         y.copy_(acc)
         return
     dist.all_reduce(y, _OPS[reduction], group=group)
+
+
+def _all_gather(x: torch.Tensor, group, n: int) -> torch.Tensor:
+    """``[n, *x.shape]`` of every member's ``x`` in group-rank order (= coordinate order)."""
+    flat = x.reshape(-1) if x.dim() == 0 else x.contiguous()
+    out = torch.empty((n * flat.shape[0], *flat.shape[1:]), dtype=x.dtype, device=x.device)
+    _gather_single(out, flat, group=group)  # concatenated along dim 0 (gloo and nccl)
+    return out.view(n, *x.shape)
 
 
 def reduce(interp, msg: m.Reduce, stream) -> None:
@@ -69,8 +78,7 @@ def reduce(interp, msg: m.Reduce, stream) -> None:
                 dist.all_to_all_single(tmp, src, group=group)
                 result.copy_(tmp)
         else:
-            gathered = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)
-            dist.all_gather_into_tensor(gathered, x.contiguous(), group=group)
+            gathered = _all_gather(x, group, n)
             result = gathered if out is None else out.copy_(gathered)
         if msg.inplace:
             x.copy_(result)

@@ -1,0 +1,165 @@
+"""Collectives over mesh dims and moves between meshes, from the client.
+
+``t.reduce("gpu")`` is one ``Reduce`` message to the ranks of ``t``'s mesh; the workers run
+it on process groups over those dims (NCCL on GPUs, gloo on CPUs).  ``t.to_mesh(other)``
+is a point-to-point copy matched by dim name, broadcast over dims only the destination has.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils._pytree import tree_map
+
+from . import messages as m
+from .grouping import normalize_dims, to_mesh_plan
+from .propagation import TensorMeta
+from .stream import get_active_stream
+from .tensor import Tensor, _Aliases, _raise, check_inputs, check_mutation, user_line
+
+__all__ = ["reduce", "reduce_", "to_mesh", "slice_mesh", "MeshSliceTensor", "REDUCTIONS"]
+
+REDUCTIONS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "stack")
+
+
+def _contiguous_meta(shape, dtype) -> TensorMeta:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return TensorMeta(tuple(shape), tuple(reversed(strides)), 0, dtype)
+
+
+def _reduce(t, dims, reduction: str, scatter: bool, mesh, inplace: bool, out):
+    if type(t) is not Tensor:
+        raise TypeError(f"reduce needs a tdmesh tensor, got {type(t).__name__}\n  at {user_line()}")
+    if mesh is not None:
+        raise NotImplementedError("reduce(mesh=...) is not supported; reduce on the tensor's own mesh")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; choose one of {list(REDUCTIONS)}")
+    shape = t.mesh.shape
+    if isinstance(dims, str):
+        dims = (dims,)
+    dims = normalize_dims(shape, dims)
+    n = shape.size(dims)
+    if (reduction == "stack" or scatter) and len(dims) > 1:
+        what = "stack" if reduction == "stack" else "scatter"
+        raise ValueError(f"reduce with {what} over dims {list(dims)} is not valid for multiple dimensions; "
+                         f"reduce over one dim at a time")
+    if scatter and (t.dim() == 0 or t.shape[0] != n):
+        raise TypeError(f"When scattering over {list(dims)} (size {n}), dim 0 of the tensor must be {n}, "
+                        f"got shape {list(t.shape)}")
+    if inplace and scatter and reduction != "stack":
+        raise ValueError("reduce_ cannot scatter: the output has another shape than the input; use reduce(...)")
+    if inplace and reduction == "stack" and not scatter:
+        raise ValueError("reduce_ cannot stack: the output has another shape than the input; use reduce(...)")
+    if t.requires_grad and torch.is_grad_enabled():
+        _raise(TypeError(f"REQUIRES_GRAD: reduce of tensor {t.ref}, which requires grad, is not differentiable; "
+                         f"reduce its .detach() or under torch.no_grad()\n  at {user_line()}"))
+    if reduction == "stack" and not scatter:
+        out_shape = (n, *t.shape)
+    elif scatter and reduction != "stack":
+        out_shape = tuple(t.shape[1:])
+    else:
+        out_shape = tuple(t.shape)
+    stream = get_active_stream()
+    inputs = [t] if out is None else [t, out]
+    check_inputs(inputs, t.mesh, "reduce", stream)
+    if out is not None:
+        if type(out) is not Tensor:
+            raise TypeError(f"out must be a tdmesh tensor on the same mesh, got {type(out).__name__}")
+        if tuple(out.shape) != out_shape or out.dtype != t.dtype:
+            raise ValueError(f"out has shape {list(out.shape)} ({out.dtype}); Reduce expects the shape to be "
+                             f"torch.Size({list(out_shape)}) ({t.dtype})")
+        check_mutation(out, "reduce(out=...)")
+    if inplace:
+        check_mutation(t, "reduce_")
+    client = t.mesh.client
+    client.ensure_groups(m.CreateGroups("dims", stream.id, shape, dims))
+    factory = (tuple(t.shape), str(t.dtype).split(".")[1])
+    with client.lock:
+        if inplace:
+            result, result_ref, defs = t, None, list(t._r.aliases.refs)
+        elif out is not None:
+            result, result_ref, defs = out, None, list(out._r.aliases.refs)
+        else:
+            result_ref = client.new_ref()
+            result = Tensor(_contiguous_meta(out_shape, t.dtype), t.device, t.mesh, result_ref, _Aliases(), stream)
+            defs = [result_ref]
+        seq = client.new_seq()
+        msg = m.Reduce(seq, result_ref, t.ref, factory, shape, dims, reduction, scatter, inplace,
+                       out.ref if out is not None else None, stream.id)
+        client.send(t.mesh, msg, seq, [x.ref for x in inputs], defs)
+    return result
+
+
+def reduce(tensors, dims=(), reduction: str = "sum", scatter: bool = False, mesh=None, out=None):
+    """Reduce every tdmesh tensor of a pytree over mesh ``dims`` (``()`` = all dims)."""
+    if type(tensors) is Tensor:
+        return _reduce(tensors, dims, reduction, scatter, mesh, False, out)
+    if out is not None:
+        raise ValueError("out= is only supported when reducing a single tensor")
+    return tree_map(lambda t: _reduce(t, dims, reduction, scatter, mesh, False, None), tensors)
+
+
+def reduce_(tensors, dims=(), reduction: str = "sum", scatter: bool = False, mesh=None):
+    """In-place :func:`reduce` over a pytree."""
+    return tree_map(lambda t: _reduce(t, dims, reduction, scatter, mesh, True, None), tensors)
+
+
+class MeshSliceTensor:
+    """``t.slice_mesh(**kw)``: ``t`` seen on a sub-mesh, ready to ``to_mesh``.  Sends nothing."""
+
+    def __init__(self, tensor: Tensor, mesh) -> None:
+        self.tensor = tensor
+        self.mesh = mesh
+
+    def to_mesh(self, mesh, stream=None) -> Tensor:
+        return _to_mesh(self.tensor, self.mesh, mesh, stream)
+
+    def __repr__(self) -> str:
+        return f"<MeshSliceTensor of tensor {self.tensor.ref} on {self.mesh.shape}>"
+
+
+def _to_mesh(t: Tensor, source, dest, stream=None) -> Tensor:
+    if type(t) is not Tensor:
+        raise TypeError(f"to_mesh needs a tdmesh tensor, got {type(t).__name__}\n  at {user_line()}")
+    client = t.mesh.client
+    if dest.client is not client:
+        raise ValueError("to_mesh moves tensors within one fleet; these meshes belong to different fleets")
+    plan = to_mesh_plan(source.shape, dest.shape)
+    broadcast = [d for d in dest.names if d not in source.names]
+    if broadcast:
+        warnings.warn(f"to_mesh broadcasts over destination dims {broadcast} that the source lacks", stacklevel=3)
+    from_stream = t.stream
+    to_stream = stream if stream is not None else from_stream
+    check_inputs([t], t.mesh, "to_mesh", from_stream)
+    client.ensure_groups(m.CreateGroups("p2p", from_stream.id, to_stream=to_stream.id))
+    factory = (tuple(t.shape), str(t.dtype).split(".")[1])
+    with client.lock:
+        ref = client.new_ref()
+        result = Tensor(_contiguous_meta(t.shape, t.dtype), t.device, dest, ref, _Aliases(), to_stream)
+        seq = client.new_seq()
+        for i, (from_ranks, to_ranks) in enumerate(plan):
+            msg = m.SendTensor(seq, ref, from_ranks, to_ranks, t.ref, factory, from_stream.id, to_stream.id)
+            ranks = sorted(set(from_ranks) | set(to_ranks))
+            if i == 0:
+                client.send(dest, msg, seq, [t.ref], [ref], ranks=ranks)
+            else:
+                client.send(dest, msg, ranks=ranks)
+    return result
+
+
+def to_mesh(tensors, mesh, stream=None):
+    """Copy every tdmesh tensor (or MeshSliceTensor) of a pytree to ``mesh``."""
+    def move(x):
+        if isinstance(x, MeshSliceTensor):
+            return x.to_mesh(mesh, stream)
+        return _to_mesh(x, x.mesh, mesh, stream)
+    return tree_map(move, tensors, is_leaf=lambda x: isinstance(x, MeshSliceTensor))
+
+
+def slice_mesh(tensors, **kw):
+    """``t.slice_mesh(**kw)`` for every tdmesh tensor of a pytree."""
+    return tree_map(lambda t: MeshSliceTensor(t, t.mesh.slice(**kw)), tensors)

@@ -1,0 +1,231 @@
+"""Future, as a unit: a fake client whose ``pump`` applies scheduled events on a virtual clock
+(MONARCH_NOTES §5.B items 16-17).  No processes, no sleeping: ``tdmesh.future.time`` is
+replaced by the fake client's clock, so a 0.5 s timeout costs nothing."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import types
+
+import pytest
+
+import tdmesh.future as future_mod
+from tdmesh.errors import RemoteException
+from tdmesh.future import Future
+
+T0 = 1000.0
+
+
+class FakeClient:
+    """Stands in for ``Client``: ``pump(timeout, until)`` applies the events due within
+    ``timeout`` of the virtual clock, stopping early once ``until()`` holds, and lets the
+    clock run to the deadline when nothing more is due (time passes while waiting)."""
+
+    def __init__(self) -> None:
+        self.now = T0
+        self._events: list = []
+        self._order = itertools.count()
+        self.pumps: list = []          # the timeout of every pump() call
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def at(self, t: float, fn) -> None:
+        heapq.heappush(self._events, (t, next(self._order), fn))
+
+    def pump(self, timeout=0, until=None) -> None:
+        self.pumps.append(timeout)
+        if timeout is None and not self._events:
+            raise AssertionError("pump(None) with nothing scheduled would block forever")
+        deadline = float("inf") if timeout is None else self.now + timeout
+        while self._events and self._events[0][0] <= deadline:
+            t, _, fn = heapq.heappop(self._events)
+            self.now = max(self.now, t)
+            fn()
+            if until is not None and until():
+                return
+        if deadline != float("inf"):
+            self.now = max(self.now, deadline)
+
+
+@pytest.fixture
+def client(monkeypatch):
+    c = FakeClient()
+    monkeypatch.setattr(future_mod, "time", types.SimpleNamespace(monotonic=c.monotonic))
+    return c
+
+
+def remote_error(seq=3) -> RemoteException:
+    return RemoteException(seq, 1, "ValueError", "bad shapes", "Traceback ...\nValueError: bad shapes", None)
+
+
+# ----------------------------------------------------------------- §5.B item 16
+def test_timeout_then_retry_then_value(client):
+    fut = Future(client)
+    client.at(T0 + 0.75, lambda: fut._set_result(4))
+
+    with pytest.raises(TimeoutError, match="called again"):
+        fut.result(timeout=0.5)
+    assert client.now == pytest.approx(T0 + 0.5)   # it waited the full half second, no more
+    assert not fut.done()
+    assert repr(fut) == "<tdmesh.Future pending>"
+
+    assert fut.result(timeout=1) == 4
+    assert client.now == pytest.approx(T0 + 0.75)  # returned as soon as the value arrived
+    assert fut.exception() is None
+    assert fut.done()
+    assert repr(fut) == "<tdmesh.Future done>"
+    assert fut.result() == 4                         # and again, without pumping
+    assert fut.result(timeout=0) == 4
+
+
+def test_timeout_can_be_retried_many_times(client):
+    fut = Future(client)
+    client.at(T0 + 10, lambda: fut._set_result("late"))
+    for i in range(1, 4):
+        with pytest.raises(TimeoutError):
+            fut.result(timeout=1)
+        assert client.now == pytest.approx(T0 + i)
+    with pytest.raises(TimeoutError):
+        fut.exception(timeout=1)
+    assert fut.result(timeout=None) == "late"
+
+
+def test_result_without_timeout_waits_for_the_value(client):
+    fut = Future(client)
+    client.at(T0 + 3600, lambda: fut._set_result([1, 2]))
+    assert fut.result() == [1, 2]
+    assert client.pumps[0] is None
+
+
+def test_value_already_received_is_found_with_zero_timeout(client):
+    """A value waiting in the client's inbox is found by ``result(timeout=0)`` (a poll), as
+    it is by ``done()``: polling must not time out forever without ever pumping."""
+    fut = Future(client)
+    client.at(T0, lambda: fut._set_result(7))
+    assert fut.result(timeout=0) == 7
+    assert client.pumps == [0]
+
+
+def test_zero_timeout_on_a_pending_future_times_out(client):
+    fut = Future(client)
+    client.at(T0 + 1, lambda: fut._set_result(7))
+    with pytest.raises(TimeoutError):
+        fut.result(timeout=0)
+    with pytest.raises(TimeoutError):
+        fut.exception(timeout=0)
+    assert client.now == T0
+
+
+def test_done_never_blocks(client):
+    fut = Future(client)
+    client.at(T0 + 5, lambda: fut._set_result(1))
+    assert fut.done() is False
+    assert client.pumps == [0]
+    assert client.now == T0
+    client.now = T0 + 5
+    assert fut.done() is True
+    n = len(client.pumps)
+    assert fut.done() is True
+    assert len(client.pumps) == n   # a finished future does not pump
+
+
+def test_other_futures_settle_while_waiting(client):
+    a, b = Future(client), Future(client)
+    client.at(T0 + 1, lambda: a._set_result("a"))
+    client.at(T0 + 2, lambda: b._set_result("b"))
+    assert b.result(timeout=5) == "b"
+    assert a._finished() and a.result(timeout=0) == "a"
+
+
+# ----------------------------------------------------------------- §5.B item 17
+def test_exception_is_returned_and_raised(client):
+    fut = Future(client)
+    err = remote_error()
+    client.at(T0 + 0.1, lambda: fut._set_exception(err))
+    assert fut.exception(timeout=1) is err
+    assert fut.done()
+    assert repr(fut) == "<tdmesh.Future failed>"
+    with pytest.raises(RemoteException) as info:
+        fut.result()
+    assert info.value is err
+    assert info.value.seq == 3 and info.value.rank == 1
+    with pytest.raises(RemoteException):
+        fut.result(timeout=0)   # the stored exception, every time
+
+
+def test_exception_is_none_on_success(client):
+    fut = Future(client)
+    fut._set_result(None)        # None is a value, not "pending"
+    assert fut.done()
+    assert fut.exception() is None
+    assert fut.result() is None
+    assert client.pumps == []
+
+
+def test_settled_once(client):
+    """A late resolution (e.g. a Status arriving after the fleet failed the future) does not
+    replace what the user has already been told."""
+    fut = Future(client)
+    err = remote_error()
+    fut._set_exception(err)
+    fut._set_result(5)
+    fut._set_exception(RuntimeError("later"))
+    assert fut.exception() is err
+    ok = Future(client)
+    ok._set_result(5)
+    ok._set_exception(err)
+    assert ok.result() == 5 and ok.exception() is None
+
+
+# ----------------------------------------------------------------- callbacks
+def test_callback_runs_once_when_done(client):
+    fut = Future(client)
+    calls = []
+    fut.add_callback(lambda f: calls.append(("first", f.result())))
+    fut.add_callback(lambda f: calls.append(("second", f.result())))
+    assert calls == []
+    client.at(T0 + 1, lambda: fut._set_result(9))
+    assert fut.result(timeout=2) == 9
+    assert calls == [("first", 9), ("second", 9)]
+    fut.result()
+    fut.done()
+    fut._set_result(10)      # ignored, and callbacks do not run again
+    assert calls == [("first", 9), ("second", 9)]
+
+
+def test_callback_runs_immediately_if_already_done(client):
+    fut = Future(client)
+    fut._set_result("v")
+    seen = []
+    fut.add_callback(seen.append)
+    assert seen == [fut]
+    assert client.pumps == []
+
+
+def test_callback_sees_the_exception(client):
+    fut = Future(client)
+    seen = []
+    fut.add_callback(lambda f: seen.append(f.exception()))
+    err = remote_error()
+    fut._set_exception(err)
+    assert seen == [err]
+    seen2 = []
+    fut.add_callback(lambda f: seen2.append(f.exception()))
+    assert seen2 == [err]
+
+
+def test_callback_may_add_a_callback(client):
+    fut = Future(client)
+    order = []
+    fut.add_callback(lambda f: (order.append(1), f.add_callback(lambda g: order.append(2))))
+    fut._set_result(0)
+    assert order == [1, 2]
+
+
+def test_future_of_a_local_value_needs_no_client():
+    """fetch_shard of a pytree without remote tensors builds ``Future(None)``, already done."""
+    fut = Future(None)
+    fut._set_result({"a": 1})
+    assert fut.done() and fut.result(timeout=0) == {"a": 1} and fut.exception() is None

@@ -1,0 +1,184 @@
+"""The wire records of tdmesh.messages: field sets, defaults, and pickle round trips."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from tdmesh import Shape, Slice
+from tdmesh import messages as m
+
+# One representative instance per record, with every field set to a distinct, non-default
+# value (nested records included) so that a round trip that drops or reorders a field fails.
+HG = Shape(("host", "gpu"), Slice.new_row_major([2, 2]))
+SAMPLES = {
+    m.CallFunction: m.CallFunction(3, (4, None, 5), (6,), "torch.ops.aten.add.Tensor",
+                                   (m.Ref(4), 2.5, [m.Ref(6)], m.ProcessGroupArg(9, HG, ("gpu",))),
+                                   {"alpha": 2}, stream=1, process_groups=(m.ProcessGroupArg(9, HG, ("gpu",)),)),
+    m.SendValue: m.SendValue(7, (8,), b"\x80\x05pickled-callable", (m.Ref(8), m.MeshArg(HG)), {"k": (1, 2)},
+                             stream=2, process_groups=()),
+    m.Reduce: m.Reduce(8, 20, 4, ((2, 3), "float32"), HG, ("host", "gpu"), "sum", True, False, None, stream=1),
+    m.SendTensor: m.SendTensor(9, 21, Slice(offset=0, sizes=(2,), strides=(1,)), Slice(offset=2, sizes=(2,), strides=(1,)), 4, ((3,), "int64"), 0, 1),
+    m.CreateGroups: m.CreateGroups("remote", 1, HG, ("gpu",), 30, 2),
+    m.BorrowCreate: m.BorrowCreate(22, 1, 4, 0, 1),
+    m.BorrowFirstUse: m.BorrowFirstUse(1),
+    m.BorrowLastUse: m.BorrowLastUse(2),
+    m.BorrowDrop: m.BorrowDrop(3),
+    m.DeleteRefs: m.DeleteRefs((1, 2, 3)),
+    m.RequestStatus: m.RequestStatus(11),
+    m.CommandGroup: m.CommandGroup((m.RequestStatus(1), m.DeleteRefs((9,)))),
+    m.Exit: m.Exit("the client hit an error"),
+    m.Hello: m.Hello(2, "tok-123", "host-a", 4242, "cuda:1", "/tmp/worker2.log"),
+    m.FetchResult: m.FetchResult(12, None, m.DependentError(10)),
+    m.RemoteFunctionFailed: m.RemoteFunctionFailed(13, 1, "ValueError", "bad value",
+                                                   "Traceback (most recent call last):\n  ...\nValueError: bad value"),
+    m.Status: m.Status(1, 14),
+}
+
+FIELDS = {
+    m.Ref: ("id",),
+    m.CallFunction: ("seq", "results", "mutates", "function", "args", "kwargs", "stream", "process_groups"),
+    m.SendValue: ("seq", "mutates", "function", "args", "kwargs", "stream", "process_groups"),
+    m.Reduce: ("seq", "result", "tensor", "factory", "mesh", "dims", "reduction", "scatter", "inplace", "out",
+               "stream"),
+    m.SendTensor: ("seq", "result", "from_ranks", "to_ranks", "tensor", "factory", "from_stream", "to_stream"),
+    m.CreateGroups: ("kind", "stream", "mesh", "dims", "ref", "to_stream"),
+    m.BorrowCreate: ("result", "borrow", "tensor", "from_stream", "to_stream"),
+    m.BorrowFirstUse: ("borrow",),
+    m.BorrowLastUse: ("borrow",),
+    m.BorrowDrop: ("borrow",),
+    m.DeleteRefs: ("refs",),
+    m.RequestStatus: ("seq",),
+    m.CommandGroup: ("commands",),
+    m.Exit: ("error",),
+    m.Hello: ("rank", "token", "hostname", "pid", "device", "log"),
+    m.FetchResult: ("seq", "value", "error"),
+    m.RemoteFunctionFailed: ("seq", "rank", "exc_type", "message", "traceback"),
+    m.Status: ("rank", "first_uncompleted"),
+    m.DependentError: ("seq",),
+    m.MeshArg: ("shape",),
+    m.ProcessGroupArg: ("ref", "mesh", "dims"),
+    m.PackedTensor: ("dtype", "shape", "data"),
+}
+
+DEFAULTS = {
+    m.CallFunction: {"stream": 0, "process_groups": ()},
+    m.SendValue: {"stream": 0, "process_groups": ()},
+    m.Reduce: {"stream": 0},
+    m.CreateGroups: {"mesh": None, "dims": (), "ref": None, "to_stream": None},
+    m.Exit: {"error": None},
+    m.FetchResult: {"error": None},
+}
+
+
+def test_direction_tables_are_exactly_the_documented_records():
+    assert m.CLIENT_TO_WORKER == (m.CallFunction, m.SendValue, m.Reduce, m.SendTensor, m.CreateGroups,
+                                  m.BorrowCreate, m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop,
+                                  m.DeleteRefs, m.RequestStatus, m.CommandGroup, m.Exit)
+    assert m.WORKER_TO_CLIENT == (m.Hello, m.FetchResult, m.RemoteFunctionFailed, m.Status)
+    assert set(m.CLIENT_TO_WORKER).isdisjoint(m.WORKER_TO_CLIENT)
+    assert set(SAMPLES) == set(m.CLIENT_TO_WORKER) | set(m.WORKER_TO_CLIENT)
+
+
+@pytest.mark.parametrize("cls", list(FIELDS), ids=lambda c: c.__name__)
+def test_field_names_and_defaults(cls):
+    assert cls._fields == FIELDS[cls]
+    assert cls._field_defaults == DEFAULTS.get(cls, {})
+    assert issubclass(cls, tuple)
+
+
+@pytest.mark.parametrize("cls", list(m.CLIENT_TO_WORKER) + list(m.WORKER_TO_CLIENT), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("protocol", [2, pickle.DEFAULT_PROTOCOL, pickle.HIGHEST_PROTOCOL])
+def test_every_wire_record_pickles_round_trip(cls, protocol):
+    msg = SAMPLES[cls]
+    assert type(msg) is cls
+    back = pickle.loads(pickle.dumps(msg, protocol=protocol))
+    assert type(back) is cls
+    assert back == msg
+    assert back._asdict() == msg._asdict()
+    for name in cls._fields:
+        assert type(getattr(back, name)) is type(getattr(msg, name)), name
+
+
+def test_every_record_class_is_covered():
+    records = {v for v in vars(m).values()
+               if isinstance(v, type) and issubclass(v, tuple) and v.__module__ == m.__name__}
+    assert records == set(FIELDS)
+
+
+def test_nested_records_keep_their_types():
+    back = pickle.loads(pickle.dumps(SAMPLES[m.CallFunction]))
+    assert type(back.process_groups[0]) is m.ProcessGroupArg and back.process_groups[0].mesh == HG
+    assert type(back.args[3]) is m.ProcessGroupArg
+    back = pickle.loads(pickle.dumps(SAMPLES[m.Reduce]))
+    assert back.mesh == HG and back.mesh.labels == ("host", "gpu")
+    back = pickle.loads(pickle.dumps(SAMPLES[m.SendTensor]))
+    assert back.from_ranks == Slice(offset=0, sizes=(2,), strides=(1,)) and back.to_ranks == Slice(offset=2, sizes=(2,), strides=(1,))
+    back = pickle.loads(pickle.dumps(SAMPLES[m.CommandGroup]))
+    assert [type(c) for c in back.commands] == [m.RequestStatus, m.DeleteRefs]
+    back = pickle.loads(pickle.dumps(SAMPLES[m.CallFunction]))
+    assert type(back.args[0]) is m.Ref and back.args[0].id == 4
+    assert type(back.args[2][0]) is m.Ref
+    back = pickle.loads(pickle.dumps(SAMPLES[m.FetchResult]))
+    assert type(back.error) is m.DependentError and back.error.seq == 10
+
+
+def test_defaults_apply_when_omitted():
+    assert m.Exit() == (None,)
+    assert m.Exit().error is None
+    assert m.FetchResult(1, b"x").error is None
+    assert m.CallFunction(0, (1,), (), "f", (), {}).stream == 0
+    assert m.SendValue(0, (), None, (m.Ref(1),), {}).stream == 0
+    assert m.CreateGroups("dims", 0) == ("dims", 0, None, (), None, None)
+    assert m.Reduce(0, None, 1, ((2,), "float32"), HG, ("gpu",), "sum", False, True, None).stream == 0
+    with pytest.raises(TypeError):
+        m.Status(0)  # both fields are required
+
+
+def test_ref_and_mesh_arg_round_trip():
+    assert pickle.loads(pickle.dumps(m.Ref(17))) == m.Ref(17)
+    assert pickle.loads(pickle.dumps(m.MeshArg(("host", 2)))) == m.MeshArg(("host", 2))
+    # records are tuples: equal to a plain tuple of the same fields, but the type survives pickling
+    assert m.Ref(17) == (17,)
+    assert type(pickle.loads(pickle.dumps(m.Ref(17)))) is m.Ref
+
+
+# ----------------------------------------------------------------- PackedTensor
+@pytest.mark.parametrize("t", [
+    torch.arange(6, dtype=torch.float32).reshape(2, 3),
+    torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),      # non-contiguous: packed contiguous
+    torch.tensor([True, False, True]),
+    torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
+    torch.tensor(3.0, dtype=torch.float64),                      # 0-d
+    torch.empty(0, 4, dtype=torch.float16),                      # no bytes at all
+    torch.tensor([1 + 2j], dtype=torch.complex64),
+], ids=["f32", "int64-transposed", "bool", "bf16", "scalar", "empty", "complex"])
+def test_pack_tensor_round_trips_values_dtype_and_shape(t):
+    packed = m.pack_tensor(t)
+    assert type(packed) is m.PackedTensor
+    assert packed.dtype == str(t.dtype).split(".")[1]
+    assert packed.shape == tuple(t.shape)
+    assert len(packed.data) == t.numel() * t.element_size()
+    back = m.unpack_tensor(pickle.loads(pickle.dumps(packed)))
+    assert back.dtype == t.dtype and back.shape == t.shape
+    assert torch.equal(back, t)
+    assert back.is_contiguous()
+    back.zero_()                                 # writable: it owns its memory
+    assert not back.any() and torch.equal(m.unpack_tensor(packed), t)
+
+
+def test_pack_tensor_leaves_what_bytes_cannot_carry():
+    g = torch.ones(2, requires_grad=True)
+    assert m.pack_tensor(g) is g
+    s = torch.ones(2, 2).to_sparse()
+    assert m.pack_tensor(s) is s
+
+
+def test_unpacked_tensor_does_not_alias_the_packed_bytes():
+    t = torch.arange(4, dtype=torch.int32)
+    packed = m.pack_tensor(t)
+    a, b = m.unpack_tensor(packed), m.unpack_tensor(packed)
+    a[0] = 99
+    assert b[0].item() == 0 and t[0].item() == 0
