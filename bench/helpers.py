@@ -168,3 +168,21 @@ def start_echo_server():
 def raw_round_trip(sock: socket.socket, obj) -> object:
     raw_send(sock, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
     return pickle.loads(raw_recv(sock))
+
+
+# ---------------------------------------------------------------------------- reduce bench
+def raw_all_reduce_seconds(x, group, iters: int):
+    """On a worker: ``iters`` plain ``dist.all_reduce`` calls of ``x`` over ``group``, timed
+    there (after a warm-up and a barrier, synchronising CUDA), as the raw baseline."""
+    import torch
+    import torch.distributed as dist
+    dist.all_reduce(x, group=group)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x, group=group)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=x.device)
