@@ -14,14 +14,16 @@ from .future import Future
 from .tensor import Tensor
 from .remote import Remote, RemoteProcessGroup, remote
 from .stream import Borrow, Stream, get_active_stream
+from ._coalescing import coalescing
 from .collectives import MeshSliceTensor, reduce, reduce_, slice_mesh, to_mesh
 from .fetch import call_on_shard_and_fetch, fetch_shard, inspect
 from .launcher import local_mesh, local_meshes, restart_count, world_mesh
+from . import random
 
 __all__ = [
     "Slice", "Shape", "UnknownDimError", "DeviceMesh", "get_active_mesh", "no_mesh",
     "DeviceException", "RemoteException", "Future", "Tensor", "Remote", "remote",
     "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
-    "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh",
+    "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "random",
 ]

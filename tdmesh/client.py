@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from . import _coalescing as coalescing
 from . import messages as m
 from .controller import History
 from .errors import DeviceException
@@ -99,7 +100,9 @@ class Client:
             for r in (mesh.rank_list if ranks is None else ranks):
                 buffers[r].append(data)
             self._buffered_bytes += len(data)
-            if self._buffered_bytes > _FLUSH_BYTES or time.monotonic() - self._last_flush > _FLUSH_INTERVAL:
+            if coalescing.depth():
+                coalescing.clients().add(self)
+            elif self._buffered_bytes > _FLUSH_BYTES or time.monotonic() - self._last_flush > _FLUSH_INTERVAL:
                 self.flush()
 
     def send_all(self, msg) -> None:
@@ -137,6 +140,10 @@ class Client:
                 for r in mesh.rank_list:
                     self._buffers[r].append(data)
 
+    def pending_messages(self) -> int:
+        """Messages buffered and not yet sent, over every rank."""
+        return sum(len(b) for b in self._buffers.values())
+
     def flush(self) -> None:
         with self.lock:
             if self._deletes:
@@ -155,13 +162,17 @@ class Client:
     def _flush_loop(self) -> None:
         while not self.closed:
             time.sleep(_FLUSH_INTERVAL)
-            if self._buffered_bytes or self._deletes:
+            if (self._buffered_bytes or self._deletes) and not self._coalescing_held():
                 if self.lock.acquire(timeout=0.05):
                     try:
                         if not self.closed and self.failure is None:
                             self.flush()
                     finally:
                         self.lock.release()
+
+    def _coalescing_held(self) -> bool:
+        """True while a coalescing block holds this client's messages back."""
+        return self in coalescing.held_clients
 
     # -- receiving -------------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -207,7 +218,7 @@ class Client:
             for node in self.history.status(msg):
                 self.history.resolve(node)
         elif t is m.FetchResult:
-            self.history.set_value(msg)
+            self.history.set_value(msg, rank)
         elif t is m.RemoteFunctionFailed:
             self.history.fail(msg, frames)
         elif t is WorkerLost:
@@ -253,3 +264,4 @@ class Client:
                 conn.close()
             if self._on_shutdown is not None:
                 self._on_shutdown()
+

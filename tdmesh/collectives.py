@@ -156,7 +156,7 @@ def to_mesh(tensors, mesh, stream=None):
     def move(x):
         if isinstance(x, MeshSliceTensor):
             return x.to_mesh(mesh, stream)
-        return _to_mesh(x, x.mesh, mesh, stream)
+        return _to_mesh(x, x.mesh if type(x) is Tensor else None, mesh, stream)
     return tree_map(move, tensors, is_leaf=lambda x: isinstance(x, MeshSliceTensor))
 
 

@@ -62,9 +62,15 @@ class History:
             for r in refs:
                 self._failed_refs.pop(r, None)
 
-    def set_value(self, msg: m.FetchResult) -> None:
+    def set_value(self, msg: m.FetchResult, rank: int | None = None) -> None:
         node = self._by_seq.get(msg.seq)
-        if node is not None:
+        if node is None:
+            return
+        if getattr(node.future, "gather", None) is not None:  # one value per rank (Remote.call)
+            if node.value is None:
+                node.value = {}
+            node.value[rank] = msg
+        else:
             node.value = msg
 
     def fail(self, msg: m.RemoteFunctionFailed, site_frames) -> None:
@@ -110,6 +116,13 @@ class History:
             fut._set_exception(node.failure)
         elif node.value is None:
             fut._set_exception(RuntimeError(f"internal error: seq {node.seq} completed without a value"))
+        elif isinstance(node.value, dict):
+            shape = fut.gather
+            missing = [r for r in shape.ranks() if r not in node.value or node.value[r].error is not None]
+            if missing:
+                fut._set_exception(RuntimeError(f"internal error: seq {node.seq} has no value from ranks {missing}"))
+            else:
+                fut._set_result(ValueMesh(shape, {r: _load_value(v.value) for r, v in node.value.items()}))
         elif node.value.error is not None:
             fut._set_exception(RuntimeError(f"seq {node.seq} depends on failed seq {node.value.error.seq}, "
                                             f"whose error was not reported"))
@@ -131,3 +144,25 @@ def _load_value(payload: bytes):
         value = pickle.loads(payload)
         return tree_map(lambda x: m.unpack_tensor(x) if type(x) is m.PackedTensor else x, value,
                         is_leaf=lambda x: type(x) is m.PackedTensor)
+
+
+class ValueMesh:
+    """One value per rank of a mesh, from ``Remote.call``: iterate ``(point, value)`` pairs,
+    where ``point`` maps dim names to coordinates, or index with ``vm[dict(host=0, gpu=1)]``."""
+
+    def __init__(self, shape, values: dict) -> None:
+        self.shape = shape
+        self._values = values
+
+    def __iter__(self):
+        for rank in self.shape.ranks():
+            yield self.shape.coordinates(rank), self._values[rank]
+
+    def __getitem__(self, point: dict):
+        return self._values[self.shape.index(**point).slice.offset]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"ValueMesh({self.shape}, {[v for _, v in self]!r})"

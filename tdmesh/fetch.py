@@ -6,6 +6,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import messages as m
 from ._context import active_mesh_or_none
+from ._coalescing import check_not_coalescing
 from .future import Future
 from .remote import Remote, _mesh_of, prepare_call
 from .stream import get_active_stream
@@ -33,6 +34,7 @@ def _shard_rank(mesh, shard: dict | None, coords: dict) -> int:
 
 def _send_value(mesh, function, args, kwargs, rank: int) -> Future:
     """A SendValue to one rank, on the stream of the tensors it reads (else the active one)."""
+    check_not_coalescing("fetching results")
     client = mesh.client
     flat, _ = tree_flatten((args, kwargs))
     tensors = [x for x in flat if type(x) is Tensor]
@@ -43,6 +45,25 @@ def _send_value(mesh, function, args, kwargs, rank: int) -> Future:
         seq = client.new_seq()
         client.send(mesh, m.SendValue(seq, (), function, _wire(args), _wire(kwargs), stream.id, groups), seq,
                     [t.ref for t in tensors], (), fut, ranks=(rank,), deletes_first=True)
+        client.request_status(seq)
+        client.flush()
+    return fut
+
+
+def _send_value_all(mesh, function, args, kwargs) -> Future:
+    """A SendValue to every rank of ``mesh``; the future gathers a ValueMesh."""
+    check_not_coalescing("fetching results")
+    client = mesh.client
+    flat, _ = tree_flatten((args, kwargs))
+    tensors = [x for x in flat if type(x) is Tensor]
+    stream = tensors[0].stream if tensors else get_active_stream()
+    _, groups = prepare_call(flat, mesh, stream)
+    fut = Future(client)
+    fut.gather = mesh.shape
+    with client.lock:
+        seq = client.new_seq()
+        client.send(mesh, m.SendValue(seq, (), function, _wire(args), _wire(kwargs), stream.id, groups), seq,
+                    [t.ref for t in tensors], (), fut, deletes_first=True)
         client.request_status(seq)
         client.flush()
     return fut

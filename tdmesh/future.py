@@ -16,6 +16,7 @@ class Future:
         self._value: Any = _PENDING
         self._exception: BaseException | None = None
         self._callbacks: list[Callable[["Future"], None]] = []
+        self.gather = None  # the mesh Shape when the value is one per rank (Remote.call)
 
     # called by the client when the value (or its error) is known
     def _set_result(self, value) -> None:

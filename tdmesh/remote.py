@@ -15,11 +15,11 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten, treespec_loads
 
 from . import messages as m
 from ._context import active_mesh_or_none
-from .propagation import meta_tensor, tensor_meta
+from .propagation import TensorMeta, meta_tensor, tensor_meta
 from .stream import get_active_stream
 from .tensor import Tensor, _Aliases, _describe, _op_path, _wire, check_inputs, check_mutation, user_line
 
@@ -65,10 +65,15 @@ class Remote:
     """A function that runs on the workers; calling it under a mesh returns remote tensors."""
 
     def __init__(self, target, propagate=None) -> None:
-        if propagate is not None and propagate != "inspect" and not callable(propagate):
-            raise ValueError(f"propagate must be a callable, 'inspect' or None, got {propagate!r}")
+        if propagate not in (None, "cached", "inspect") and not callable(propagate):
+            raise ValueError(f"propagate must be a callable, 'inspect', 'cached' or None, got {propagate!r}")
+        if propagate == "mocked":
+            raise NotImplementedError("propagate='mocked' is not supported")
         self._target = function_path(target)
         self._propagate = propagate
+        self._cache: dict = {}
+        self.cache_hits = 0
+        self.cache_misses = 0
         self.__name__ = getattr(target, "__name__", str(target))
 
     def __repr__(self) -> str:
@@ -76,6 +81,13 @@ class Remote:
 
     def __call__(self, *args, **kwargs):
         return call_remote(self, args, kwargs)
+
+    def call(self, *args, **kwargs):
+        """Run on every rank of the mesh and fetch each rank's (picklable) return value:
+        a Future of a ``ValueMesh`` to iterate as ``(point, value)``."""
+        from .fetch import _send_value_all
+        flat, _ = tree_flatten((args, kwargs))
+        return _send_value_all(_mesh_of(flat), self._target, args, kwargs)
 
 
 def remote(fn=None, *, propagate=None):
@@ -131,8 +143,7 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict):
     if fn._propagate == "inspect":
         outputs, out_leaves, mutated = None, [], []
     elif fn._propagate is None or fn._propagate == "cached":
-        raise NotImplementedError(f"{fn!r}: propagate=None ('cached' propagation) is not available yet; "
-                                  f"pass propagate=<callable returning meta tensors> or 'inspect'")
+        outputs, out_leaves, mutated = _propagate_cached(fn, args, kwargs, flat, mesh)
     else:
         outputs, out_leaves, mutated = _propagate_with(fn._propagate, args, kwargs)
     with client.lock:
@@ -157,6 +168,50 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict):
     if outputs is None:
         return None
     return tree_unflatten(proxies, outputs)
+
+
+def _propagate_cached(fn: Remote, args, kwargs, flat, mesh):
+    """Outputs of ``fn`` learnt by running it once, for real, on the mesh's first rank, then
+    cached by the arguments' structure, values, tensor metadata, aliasing and requires_grad."""
+    from .mesh import DeviceMesh
+    tensors = [x for x in flat if type(x) is Tensor]
+    alias_ids: dict[int, int] = {}
+
+    def key_of(x):
+        if type(x) is Tensor:
+            return ("T", x._meta, x.requires_grad, alias_ids.setdefault(id(x._r.aliases), len(alias_ids)))
+        if isinstance(x, RemoteProcessGroup):
+            raise TypeError(f"{fn!r} takes a process group: cached propagation would run it on one rank, "
+                            f"where a collective waits forever; pass propagate=<callable>\n  at {user_line()}")
+        if isinstance(x, DeviceMesh):
+            return ("mesh", x.shape)
+        return x
+
+    key_leaves = tuple(key_of(x) for x in flat)
+    try:
+        key = (tree_flatten((args, kwargs))[1], key_leaves)
+        hit = fn._cache.get(key)
+    except TypeError:  # unhashable arguments: probe every time
+        key, hit = None, None
+    if hit is None:
+        from .fetch import _send_value
+        fn.cache_misses += 1
+        hit = _send_value(mesh, "tdmesh.worker.builtins.probe", (fn._target, args, kwargs), {},
+                          mesh.processes.offset).result()
+        if key is not None:
+            fn._cache[key] = hit
+    else:
+        fn.cache_hits += 1
+    spec_text, described, mutated_idx = hit
+    leaves = []
+    for d in described:
+        if d is None:
+            leaves.append((None, None))
+        else:
+            size, stride, offset, dtype, alias = d
+            meta = meta_tensor(TensorMeta(tuple(size), tuple(stride), offset, getattr(torch, dtype)))
+            leaves.append((meta, tensors[alias] if alias is not None else None))
+    return treespec_loads(spec_text), leaves, [tensors[i] for i in mutated_idx]
 
 
 def _propagate_with(propagate: Callable, args, kwargs):

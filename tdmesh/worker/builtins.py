@@ -20,3 +20,37 @@ def live_refs() -> int:
     from .interpreter import Interpreter
     return len(Interpreter.current.env) if Interpreter.current is not None else 0
 
+
+
+def probe(target, args, kwargs):
+    """Run ``target`` once for real and describe its outputs: the client's cached propagation.
+
+    Returns ``(output tree spec, leaves, mutated)``: each leaf is ``None`` or ``(size, stride,
+    offset, dtype, aliased input index)``; ``mutated`` lists the inputs it wrote in place.
+    """
+    import torch.distributed as dist
+    from torch.utils._pytree import tree_flatten, treespec_dumps
+    from .functions import resolve
+    fn = resolve(target)
+    inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    if any(isinstance(x, dist.ProcessGroup) for x in tree_flatten((args, kwargs))[0]):
+        raise TypeError("cached propagation runs the function on one rank, where a collective would wait "
+                        "forever; give this remote function an explicit propagate=")
+    versions = [t._version for t in inputs]
+    storages = [t.untyped_storage().data_ptr() for t in inputs]
+    out = fn(*args, **kwargs)
+    leaves, spec = tree_flatten(out)
+    described = []
+    for leaf in leaves:
+        if leaf is None:
+            described.append(None)
+        elif isinstance(leaf, torch.Tensor):
+            ptr = leaf.untyped_storage().data_ptr()
+            alias = next((i for i, p in enumerate(storages) if p == ptr and p != 0), None)
+            described.append((tuple(leaf.shape), tuple(leaf.stride()), leaf.storage_offset(),
+                              str(leaf.dtype).split(".")[1], alias))
+        else:
+            raise TypeError(f"a remote function returns tensors (or None), not {type(leaf).__name__}; "
+                            f"use call_on_shard_and_fetch or .call() for Python values")
+    mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
+    return treespec_dumps(spec), described, mutated
