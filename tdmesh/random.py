@@ -42,7 +42,8 @@ CUDA_STATE_BYTES = 16
 class State(NamedTuple):
     """The generator state of every worker of a mesh: remote ``uint8`` tensors ``cpu``
     ``[5056]`` and ``cuda`` ``[16]`` (a dummy on CPU workers).  Kept so that a stream of
-    draws can be resumed or replayed with :func:`set_state`."""
+    draws can be resumed or replayed with :func:`set_state`.  Fetching one gives a plain
+    ``(cpu, cuda)`` tuple of local tensors (``State(*fetched)`` names them again)."""
 
     cpu: Tensor
     cuda: Tensor

@@ -212,6 +212,37 @@ def _describe(t) -> str:
     return f"local tensor(shape={list(t.shape)}, device={t.device})"
 
 
+_no_tensor_out: dict = {}
+
+
+def _makes_no_tensor(func) -> bool:
+    answer = _no_tensor_out.get(func)
+    if answer is None:
+        answer = not any("Tensor" in str(r.type) for r in func._schema.returns) and not any(
+            "Tensor" in str(a.type) for a in func._schema.arguments)
+        _no_tensor_out[func] = answer
+    return answer
+
+
+def _value_on_client(func, args, kwargs, remote):
+    """``t.item()``, ``bool(t)``, ``torch.equal``: a Python value the client needs now.
+
+    These block: the tensors are fetched from the first rank of their mesh (replicated
+    values such as an optimizer's step count read the same everywhere), then the op runs
+    locally.  Prefer ``fetch_shard`` where the wait can be deferred.
+    """
+    from ._coalescing import check_not_coalescing
+    from .fetch import fetch_shard
+    check_not_coalescing(f"{func} (it needs a value from the workers)")
+    values = fetch_shard(tuple(remote)).result()
+    local = dict(zip(map(id, remote), values))
+    from torch.utils._pytree import tree_map
+    swap = lambda x: local.get(id(x), x) if type(x) is Tensor else x  # noqa: E731
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():
+        return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+
+
 def _scan(obj, remote: list, local: list):
     """One pass over an op's arguments: collect tensors, and build the propagation cache key."""
     t = type(obj)
@@ -237,13 +268,14 @@ def dispatch(func, args: tuple, kwargs: dict):
     if remote:
         mesh = remote[0]._mesh
         if name in _NEEDS_VALUE:
-            _raise(TypeError(f"{func} needs the tensor's value on the client (e.g. .item(), bool(t), "
-                             f"torch.equal); fetch it first: tdmesh.fetch_shard(t).result()\n  at {user_line()}"))
+            return _value_on_client(func, args, kwargs, remote)
     elif local and name in _NEEDS_VALUE:  # reading a local (e.g. fetched) value under a mesh
         return func(*args, **kwargs)
     else:
         mesh = active_mesh_or_none()
-        if mesh is None:  # no_mesh, or an op that only touches local tensors
+        if mesh is None or _makes_no_tensor(func):
+            # no_mesh, or an op with no remote input and no tensor output (profiler ranges and
+            # the like): it is the client's own business
             return func(*args, **kwargs)
     client = mesh.client
     if client is None:
