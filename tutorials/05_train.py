@@ -1,0 +1,83 @@
+"""Train a small GPT data-parallel over the whole mesh, driven from this one process.
+
+    python tutorials/05_train.py                      # 2 CPU workers, tiny model (CI runs this)
+    python tutorials/05_train.py --steps 200 --size small
+    torchrun --standalone --nproc_per_node 8 -m tdmesh.worker tutorials/05_train.py --size small
+
+Every worker holds a replica of the model (created under ``mesh.activate()``), draws its own
+batches (each rank seeds its own generator), and after ``loss.backward()`` the gradients are
+averaged over every mesh dim with ``reduce_``: data parallelism written as one program.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+import tdmesh
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nanogpt import GPT, GPTConfig, encode, get_batch  # noqa: E402
+
+
+def seeded_batch(data, batch_size: int, block_size: int, rank, step: int):
+    """Runs on each worker: a batch from that worker's own stream of random windows."""
+    g = torch.Generator(device=data.device)
+    g.manual_seed(1000 * int(rank) + step)
+    return get_batch(data, batch_size, block_size, g)
+
+
+def train(mesh: tdmesh.DeviceMesh, steps: int, size: str, batch_size: int, lr: float) -> list[float]:
+    tokens, vocab = encode()
+    cfg = GPTConfig.small(len(vocab)) if size == "small" else GPTConfig.tiny(len(vocab))
+    batch = tdmesh.remote(seeded_batch, propagate=lambda d, b, t, r, s: (
+        torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
+    losses = []
+    with mesh.activate():
+        torch.manual_seed(0)                          # the same initial weights on every worker
+        model = GPT(cfg)
+        # capturable=True keeps AdamW's step count on the workers (no .item() round trip per
+        # parameter); torch supports it on GPUs only, so CPU meshes use SGD with momentum.
+        if mesh.device_type == "cuda":
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=True)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=lr * 100, momentum=0.9)
+        data = torch.tensor(tokens)                   # the corpus, shipped once to every worker
+        rank = mesh.rank(mesh.names)
+        start = time.perf_counter()
+        for step in range(steps):
+            x, y = batch(data, batch_size, cfg.block_size, rank, step)
+            loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            for p in model.parameters():              # data parallel: average gradients everywhere
+                p.grad.reduce_(mesh.names, "avg")
+            opt.step()
+            if step % 10 == 0 or step == steps - 1:
+                avg = loss.detach().reduce(mesh.names, "avg")
+                losses.append(tdmesh.fetch_shard(avg).result().item())
+                print(f"step {step:4d}  loss {losses[-1]:.4f}  ({time.perf_counter() - start:.1f} s)", flush=True)
+    return losses
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    args = p.parse_args()
+    if "RANK" in os.environ:
+        losses = train(tdmesh.world_mesh(), args.steps, args.size, args.batch_size, args.lr)
+    else:
+        with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh:
+            losses = train(mesh, args.steps, args.size, args.batch_size, args.lr)
+    print(f"loss went from {losses[0]:.4f} to {losses[-1]:.4f}")
+    if not losses[-1] < losses[0]:
+        sys.exit("the loss did not go down")
+
+
+if __name__ == "__main__":
+    main()
