@@ -59,6 +59,8 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
     }
     if not cuda:
         base_env["TDMESH_DEVICE"] = "cpu"
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: N workers must not each spin N threads
+        base_env["OMP_NUM_THREADS"] = "1"
     # Workers import what the client can: functions travel by import path when they have one.
     paths = [os.path.abspath(p or os.getcwd()) for p in sys.path]
     base_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))

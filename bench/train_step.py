@@ -1,0 +1,88 @@
+"""Step time of the tutorial GPT driven by tdmesh vs the same model under torchrun DDP.
+
+    python -m bench.train_step                          # 2 CPU workers, tiny model
+    python -m bench.train_step --device cuda --size small --workers 2
+
+Same model (tutorials/nanogpt.py), same initial weights, same per-rank batches, same
+optimizer, same number of workers, in one run: the DDP baseline runs under torchrun in a
+subprocess first, then tdmesh drives a local mesh from this process.  The tdmesh step is
+timed as the average over ``--steps`` steps ending in one fetch (so the workers' backlog is
+included); DDP's as the median step (synchronised).  Printed: both, and DDP/tdmesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tutorials"))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=8)
+    args = p.parse_args(argv)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if args.device == "cpu":
+        env["TDMESH_DEVICE"] = os.environ["TDMESH_DEVICE"] = "cpu"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                          str(args.workers), os.path.join(ROOT, "bench", "ddp_train.py"), "--steps", str(args.steps),
+                          "--size", args.size, "--batch-size", str(args.batch_size)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("DDP_STEP_SECONDS")), None)
+    if line is None:
+        sys.exit("the DDP baseline failed:\n" + out.stderr[-3000:])
+    ddp_s = float(line.split()[1])
+
+    import torch
+    import tdmesh
+    from nanogpt import GPT, GPTConfig, encode
+    sys.path.insert(0, os.path.join(ROOT, "tutorials"))
+    train = __import__("runpy").run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
+    tokens, vocab = encode()
+    cfg = GPTConfig.small(len(vocab)) if args.size == "small" else GPTConfig.tiny(len(vocab))
+    batch = tdmesh.remote(train["seeded_batch"], propagate=lambda d, b, t, r, s: (
+        torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=args.workers) as mesh, mesh.activate():
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        opt = (torch.optim.AdamW(model.parameters(), lr=3e-3, capturable=True) if mesh.device_type == "cuda"
+               else torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9))
+        data = torch.tensor(tokens)
+        rank = mesh.rank(mesh.names)
+
+        def step(i):
+            x, y = batch(data, args.batch_size, cfg.block_size, rank, i)
+            loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            for prm in model.parameters():
+                prm.grad.reduce_(mesh.names, "avg")
+            opt.step()
+            return loss
+
+        for i in range(3):
+            loss = step(i)
+        tdmesh.fetch_shard(loss).result()
+        start = time.perf_counter()
+        for i in range(3, 3 + args.steps):
+            loss = step(i)
+        final = tdmesh.fetch_shard(loss).result()
+        ours_s = (time.perf_counter() - start) / args.steps
+    print(f"\ntrain step, {args.size} GPT, {args.workers} {args.device} workers, batch {args.batch_size}/worker, "
+          f"torch {torch.__version__}")
+    print(f"  torchrun DDP   : {ddp_s * 1e3:9.2f} ms/step   ({line.split('LOSS')[1].strip()} final loss)")
+    print(f"  tdmesh         : {ours_s * 1e3:9.2f} ms/step   ({float(final):.4f} final loss)")
+    print(f"  DDP/tdmesh     : {ddp_s / ours_s:9.3f}x  (1.0 = as fast as DDP)")
+
+
+if __name__ == "__main__":
+    main()
