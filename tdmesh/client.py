@@ -54,6 +54,7 @@ class Client:
         self._last_flush = time.monotonic()
         self._deletes: dict[object, tuple] = {}   # ranks slice -> (mesh, [refs])
         self._groups: set = set()                 # CreateGroups keys already sent
+        self.recorder = None                      # set while a compiled function is traced
         self.history = History(self.ranks)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.failure: DeviceException | None = None
@@ -83,7 +84,7 @@ class Client:
             raise RuntimeError("this mesh has exited; its tensors can no longer be used")
 
     def send(self, mesh, msg, seq: int | None = None, uses=(), defs=(), future: Future | None = None,
-             ranks=None, deletes_first: bool = False) -> None:
+             ranks=None, deletes_first: bool = False, setup: bool = False) -> None:
         """Queue ``msg`` for every rank of ``mesh`` (or ``ranks``) and record it in the history.
 
         Frees of dead proxies are batched into one DeleteRefs per flush (ref ids are never
@@ -91,6 +92,9 @@ class Client:
         """
         with self.lock:
             self._check_usable()
+            if self.recorder is not None and not setup:  # tracing a compiled function
+                self.recorder.add(mesh.rank_list if ranks is None else tuple(ranks), msg, uses, defs)
+                return
             if deletes_first and self._deletes:
                 self._queue_deletes()
             if seq is not None:
@@ -105,8 +109,8 @@ class Client:
             elif self._buffered_bytes > _FLUSH_BYTES or time.monotonic() - self._last_flush > _FLUSH_INTERVAL:
                 self.flush()
 
-    def send_all(self, msg) -> None:
-        self.send(None, msg, ranks=self.ranks)
+    def send_all(self, msg, setup: bool = False) -> None:
+        self.send(None, msg, ranks=self.ranks, setup=setup)
 
     def ensure_groups(self, msg: m.CreateGroups) -> None:
         """Have every rank create the process groups of ``msg``, once per key."""
@@ -115,7 +119,7 @@ class Client:
             with self.lock:
                 if key not in self._groups:
                     self._groups.add(key)
-                    self.send_all(msg)
+                    self.send_all(msg, setup=True)
 
     def delete_ref(self, ref: int, mesh) -> None:
         """Called when a proxy dies (any thread): batched into the next flush."""

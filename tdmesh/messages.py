@@ -84,6 +84,28 @@ class CreateGroups(NamedTuple):
     to_stream: Optional[int] = None
 
 
+class DefineRecording(NamedTuple):
+    """One chunk (``index`` of ``total``) of a compiled function's messages for this rank.
+
+    ``formals`` and ``results`` are the refs the recorded messages use for the inputs and
+    outputs; every other ref they define is a temporary of one call.
+    """
+    recording: int
+    commands: tuple
+    formals: tuple
+    results: tuple
+    index: int
+    total: int
+
+
+class CallRecording(NamedTuple):
+    """Replay ``recording`` with ``actuals`` for its formals, binding ``results``."""
+    seq: int
+    recording: int
+    actuals: tuple
+    results: tuple
+
+
 class BorrowCreate(NamedTuple):
     """On ``from_stream``: lend ``tensor`` to ``to_stream`` as ``result`` (after the work so far)."""
     result: int
@@ -163,7 +185,8 @@ class DependentError(NamedTuple):
     seq: int
 
 
-CLIENT_TO_WORKER = (CallFunction, SendValue, Reduce, SendTensor, CreateGroups, BorrowCreate, BorrowFirstUse, BorrowLastUse,
+CLIENT_TO_WORKER = (CallFunction, SendValue, Reduce, SendTensor, CreateGroups, DefineRecording, CallRecording,
+                    BorrowCreate, BorrowFirstUse, BorrowLastUse,
                     BorrowDrop, DeleteRefs, RequestStatus, CommandGroup, Exit)
 WORKER_TO_CLIENT = (Hello, FetchResult, RemoteFunctionFailed, Status)
 

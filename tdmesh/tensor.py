@@ -66,6 +66,9 @@ class _Ref:
         self.aliases = aliases
         self.dropped_at = None
         aliases.refs[ref_id] = self
+        recorder = mesh.client.recorder
+        if recorder is not None:  # tracing a compiled function: it may drop what it made
+            recorder.created.append(weakref.ref(self))
 
     def __del__(self) -> None:
         try:
@@ -295,6 +298,10 @@ def dispatch(func, args: tuple, kwargs: dict):
 def check_inputs(remote: list, mesh, what, stream=None) -> None:
     """Placement and permission checks for an op's remote inputs, raised at the user's line."""
     stream = stream if stream is not None else get_active_stream()
+    recorder = mesh.client.recorder if mesh.client is not None else None
+    if recorder is not None:
+        for t in remote:
+            recorder.seen[t._r.id] = t
     for t in remote:
         if t._mesh is not mesh:
             _raise(TypeError(f"WRONG_MESH: {what} mixes tensors from two meshes:\n  {_describe(remote[0])}\n"

@@ -120,7 +120,7 @@ def send_tensor(interp, msg: m.SendTensor, stream) -> None:
     """``to_mesh``: rank ``from_ranks[i]`` sends to ``to_ranks[i]``; a same-rank move is a copy."""
     rank = interp.rank
     from_env = interp.stream(msg.from_stream).env if rank in msg.from_ranks else None
-    to_env = interp.stream(msg.to_stream).env
+    to_env = interp.stream(msg.to_stream).env if rank in msg.to_ranks else None
     ops = []
     received = None
     if from_env is not None:

@@ -21,6 +21,7 @@ from . import collectives
 from .functions import resolve
 from .groups import Groups
 from .mesh import WorkerMesh
+from .recordings import RecordingError, Recordings
 from .streams import Stream
 
 log = logging.getLogger("tdmesh.worker")
@@ -79,8 +80,10 @@ class Interpreter:
         self.send = send
         self.threaded = threaded
         self.streams: dict[int, Stream] = {}
+        self._streams_lock = threading.Lock()
         self.groups = Groups(rank, world_size)
         self.borrows: dict[int, BorrowSlot] = {}
+        self.recordings = Recordings()
         self.caused_error = False
         self.fatal: BaseException | None = None
         self.exit_request: m.Exit | None = None
@@ -95,7 +98,12 @@ class Interpreter:
     def stream(self, stream_id: int) -> Stream:
         s = self.streams.get(stream_id)
         if s is None:
-            s = self.streams[stream_id] = Stream(stream_id, self.device, self._on_fatal, self.threaded)
+            # Stream threads look streams up too (to_mesh reads/writes another stream's refs):
+            # two threads must never each create their own copy of one stream.
+            with self._streams_lock:
+                s = self.streams.get(stream_id)
+                if s is None:
+                    s = self.streams[stream_id] = Stream(stream_id, self.device, self._on_fatal, self.threaded)
         return s
 
     def _on_fatal(self, error: BaseException) -> None:
@@ -130,6 +138,22 @@ class Interpreter:
     def CreateGroups(self, msg: m.CreateGroups) -> None:
         self.groups.create(msg)  # collective over every rank: here, in message order
 
+    def DefineRecording(self, msg: m.DefineRecording) -> None:
+        try:
+            self.recordings.define(msg)
+        except RecordingError as e:
+            raise ProtocolViolation(str(e)) from None
+
+    def CallRecording(self, msg: m.CallRecording) -> None:
+        try:
+            commands, temporaries = self.recordings.expand(msg)
+        except RecordingError as e:
+            raise ProtocolViolation(str(e)) from None
+        for command in commands:
+            self.handle(command)
+        if temporaries:
+            self.DeleteRefs(m.DeleteRefs(tuple(temporaries)))
+
     def BorrowCreate(self, msg: m.BorrowCreate) -> None:
         if msg.borrow in self.borrows:
             raise ProtocolViolation(f"borrow {msg.borrow} already exists on worker {self.rank}")
@@ -160,7 +184,7 @@ class Interpreter:
             self.handle(command)
 
     def Exit(self, msg: m.Exit) -> None:
-        for s in self.streams.values():
+        for s in list(self.streams.values()):
             s.close()
         self.exit_request = msg
 
@@ -219,8 +243,9 @@ class Interpreter:
         except ProtocolViolation:
             raise
         except Exception as e:
-            env = self.stream(msg.to_stream).env
-            self._fail(env, msg.seq, (msg.result,) if self.rank in msg.to_ranks else (), (), e, "to_mesh")
+            receives = self.rank in msg.to_ranks
+            env = self.stream(msg.to_stream).env if receives else stream.env
+            self._fail(env, msg.seq, (msg.result,) if receives else (), (), e, "to_mesh")
 
     def _unsupported_p2p(self, msg: m.SendTensor, stream: Stream) -> None:
         error = NotImplementedError(f"to_mesh: rank {self.rank} would both send on stream {msg.from_stream} and "

@@ -1,0 +1,243 @@
+"""``@tdmesh.compile``: record a function's messages on the workers once, replay them after.
+
+The first call traces the function: its messages are captured instead of sent, and defined
+on each rank as a recording (in chunks).  Every later call with the same kind of inputs
+(tree structure, non-tensor values, tensor metadata, aliasing, mesh, stream) sends one
+``CallRecording`` per rank, however many ops the function has.  Tensors the function only
+captures from outside are read where they are; tensors it creates and does not return are
+dropped.  ``verify=True`` traces the first reuse again and raises if the messages differ.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import messages as m
+from .stream import get_active_stream
+from .tensor import Tensor, _Aliases, _raise, call_site, check_inputs, user_line
+from .worker.recordings import MAX_COMMANDS_PER_CHUNK
+
+__all__ = ["compile"]
+
+_recording_ids = itertools.count(1)
+
+
+class Recorder:
+    """Collects the messages a traced function would have sent, per rank."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.messages: list[tuple[tuple, object, list, list]] = []
+        self.created: list = []  # weakrefs to the _Refs made while tracing
+        self.seen: dict[int, Tensor] = {}  # every tensor an op read while tracing, by ref
+
+    def add(self, ranks: tuple, msg, uses, defs) -> None:
+        if type(msg) in (m.SendValue, m.RequestStatus):
+            raise NotImplementedError("NYI: fetching values inside a compiled function; return the tensor and "
+                                      "fetch it after the call")
+        self.messages.append((ranks, msg, list(uses), list(defs)))
+
+
+class _Compiled:
+    def __init__(self, fn, verify: bool) -> None:
+        self.fn = fn
+        self.verify = verify
+        self.recordings: dict = {}
+        self.traces = 0
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        from ._context import active_mesh_or_none
+        flat, spec = tree_flatten((args, kwargs))
+        inputs = [x for x in flat if type(x) is Tensor]
+        mesh = inputs[0].mesh if inputs else active_mesh_or_none()
+        if mesh is None or mesh.client is None:
+            raise ValueError("a compiled function runs on a mesh: call it under `with mesh.activate():`")
+        client = mesh.client
+        if client.recorder is not None:  # compile inside compile: just run it
+            return self.fn(*args, **kwargs)
+        for t in inputs:
+            if t.requires_grad and torch.is_grad_enabled():
+                _raise(TypeError(f"REQUIRES_GRAD: tdmesh.compile does not record autograd; tensor {t.ref} "
+                                 f"requires grad\n  at {user_line()}"))
+        key = _key(spec, flat)
+        rec = self.recordings.get(key)
+        if rec is None:
+            rec, outputs = self._trace(client, args, kwargs, inputs)
+            self.recordings[key] = rec
+            rec.define(client)
+            rec.call(client, inputs)
+            return outputs
+        if self.verify and not rec.verified:
+            again, outputs = self._trace(client, args, kwargs, inputs)
+            at = rec.diverges_from(again)
+            if at is not None:
+                raise RuntimeError(f"tdmesh.compile failed to verify recording. Recording diverges at operation "
+                                   f"{at}: the function does not send the same operations on every call "
+                                   f"(a data- or Python-dependent branch?)\n  at {user_line()}")
+            rec.verified = True
+            rec.call(client, inputs, again)
+            return outputs
+        return rec.replay(client, inputs)
+
+    def _trace(self, client, args, kwargs, inputs) -> tuple["_Recording", object]:
+        recorder = client.recorder = Recorder(client)
+        try:
+            outputs = self.fn(*args, **kwargs)
+        finally:
+            client.recorder = None
+        self.traces += 1
+        out_flat, out_spec = tree_flatten(outputs)
+        for o in out_flat:
+            if isinstance(o, torch.Tensor) and type(o) is not Tensor:
+                raise TypeError(f"a compiled function returns tdmesh tensors, got a local {type(o).__name__}")
+            if type(o) is Tensor and o.requires_grad:
+                _raise(TypeError(f"REQUIRES_GRAD: a compiled function cannot return tensor {o.ref}, which "
+                                 f"requires grad\n  at {user_line()}"))
+        rec = _Recording(recorder, inputs, out_flat, out_spec)
+        site = call_site()
+        keep = {o._r.id for o in out_flat if type(o) is Tensor}
+        for ref in recorder.created:  # made inside, not returned: unusable from now on
+            r = ref()
+            if r is not None and r.id not in keep and r.id in rec.defined:
+                r.dropped_at = site
+        return rec, outputs
+
+
+class _Recording:
+    def __init__(self, recorder: Recorder, inputs: list, out_flat: list, out_spec) -> None:
+        self.id = next(_recording_ids)
+        self.messages = recorder.messages
+        self.verified = False
+        self.formals = [t.ref for t in inputs]
+        defined: list[int] = []
+        used: list[int] = []
+        mutated: list[int] = []
+        for _, msg, uses, defs in self.messages:
+            used.extend(uses)
+            defined.extend(defs)
+            if type(msg) is m.CallFunction:
+                mutated.extend(msg.mutates)
+        self.defined = set(defined) - set(self.formals)
+        formal_set = set(self.formals)
+        self.capture_refs = [r for r in dict.fromkeys(used) if r not in self.defined and r not in formal_set]
+        # keep captured tensors alive (and checkable) for as long as the recording exists
+        self.captures = [recorder.seen[r] for r in self.capture_refs if r in recorder.seen]
+        self.mutated_outside = [r for r in dict.fromkeys(mutated) if r not in self.defined]
+        self.out_spec = out_spec
+        self.outputs = []  # per leaf: ("value", v) | ("formal", i) | ("capture", t) | ("result", meta, source, stream)
+        self.results = []
+        input_aliases = [t._r.aliases for t in inputs]
+        for o in out_flat:
+            if type(o) is not Tensor:
+                self.outputs.append(("value", o))
+            elif o.ref in formal_set:
+                self.outputs.append(("formal", self.formals.index(o.ref)))
+            elif o.ref not in self.defined:
+                self.outputs.append(("capture", o))
+            else:
+                source = next((i for i, a in enumerate(input_aliases) if a is o._r.aliases), None)
+                self.outputs.append(("result", o._meta, source, o.stream, o.device, o.mesh))
+                self.results.append(o.ref)
+        self.ranks = sorted({r for ranks, *_ in self.messages for r in ranks})
+
+    def signature(self):
+        names: dict[int, int] = {}
+        counter = itertools.count()
+
+        def norm(x):
+            t = type(x)
+            if t is m.Ref:
+                return ("ref", names.setdefault(x.id, next(counter)))
+            if t is tuple or t is list:
+                return tuple(norm(y) for y in x)
+            if t is dict:
+                return tuple((k, norm(v)) for k, v in x.items())
+            if isinstance(x, torch.Tensor):
+                return ("tensor", tuple(x.shape), str(x.dtype))
+            return x
+        return [(ranks, type(msg).__name__, getattr(msg, "function", None), norm(getattr(msg, "args", None)))
+                for ranks, msg, _, _ in self.messages]
+
+    def diverges_from(self, other: "_Recording"):
+        mine, theirs = self.signature(), other.signature()
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                return i
+        return None if len(mine) == len(theirs) else min(len(mine), len(theirs))
+
+    def define(self, client) -> None:
+        for rank in self.ranks:
+            commands = tuple(msg for ranks, msg, _, _ in self.messages if rank in ranks)
+            chunks = [commands[i:i + MAX_COMMANDS_PER_CHUNK] for i in range(0, len(commands), MAX_COMMANDS_PER_CHUNK)] or [()]
+            for index, chunk in enumerate(chunks):
+                client.send(None, m.DefineRecording(self.id, chunk, tuple(self.formals), tuple(self.results),
+                                                    index, len(chunks)), ranks=(rank,), setup=True)
+
+    def call(self, client, inputs: list, traced: "_Recording | None" = None) -> None:
+        """Run the recording for a call that was just traced: its results are the traced refs."""
+        self._send(client, inputs, list((traced or self).results))
+
+    def _send(self, client, inputs: list, results: list) -> None:
+        actual_refs = [t.ref for t in inputs]
+        rename = dict(zip(self.formals, actual_refs))
+        mutated = []
+        for r in self.mutated_outside:
+            target = rename.get(r, r)
+            owner = next((t for t in inputs if t.ref == target), None) or next(
+                (t for t in self.captures if t.ref == target), None)
+            mutated.extend(owner._r.aliases.refs if owner is not None else [target])
+        with client.lock:
+            seq = client.new_seq()
+            client.send(None, m.CallRecording(seq, self.id, tuple(actual_refs), tuple(results)), seq,
+                        actual_refs + self.capture_refs, results + mutated, ranks=self.ranks)
+
+    def replay(self, client, inputs: list):
+        stream = get_active_stream()
+        if self.captures:
+            check_inputs(self.captures, self.captures[0].mesh, "a compiled function (a captured tensor)", stream)
+        leaves = []
+        results = []
+        with client.lock:
+            for kind, *rest in self.outputs:
+                if kind == "value":
+                    leaves.append(rest[0])
+                elif kind == "formal":
+                    leaves.append(inputs[rest[0]])
+                elif kind == "capture":
+                    leaves.append(rest[0])
+                else:
+                    meta, source, out_stream, device, mesh = rest
+                    aliases = inputs[source]._r.aliases if source is not None else _Aliases()
+                    ref = client.new_ref()
+                    leaves.append(Tensor(meta, device, mesh, ref, aliases, out_stream))
+                    results.append(ref)
+            self._send(client, inputs, results)
+        return tree_unflatten(leaves, self.out_spec)
+
+
+def _key(spec, flat) -> tuple:
+    aliases: dict[int, int] = {}
+    parts = []
+    for x in flat:
+        if type(x) is Tensor:
+            parts.append(("T", x._meta, id(x.mesh), x.stream.id, x.requires_grad,
+                          aliases.setdefault(id(x._r.aliases), len(aliases))))
+        else:
+            try:
+                hash(x)
+                parts.append(x)
+            except TypeError:
+                parts.append(("unhashable", id(x)))
+    return (spec, tuple(parts))
+
+
+def compile(fn=None, *, verify: bool = False):
+    """Compile ``fn`` into a worker-side recording: ``@tdmesh.compile`` or ``@tdmesh.compile(verify=True)``."""
+    if fn is None:
+        return lambda f: _Compiled(f, verify)
+    return _Compiled(fn, verify)
