@@ -11,9 +11,12 @@ Sections (each timed section: one warm-up, then ``--repeats`` timed runs; best a
   (1) local       the loop ``local = ones + local`` in this process, before any mesh exists
   (2) dispatched  the same loop under ``mesh.activate()`` with one worker, then one fetch
   (3) remote fn   one remote function runs the whole loop on the worker, then a fetch
-  (4) fetch RTT   ``fetch_shard(t).result()`` of a 10-element tensor vs. a raw
+  (4) coalescing  the loop of (2) inside ``with tdmesh.coalescing():``
+  (5) compiled    the loop as a ``@tdmesh.compile`` function called repeatedly: (5a) one add
+                  per call, N calls; (5b) 100 adds per call, N/100 calls
+  (6) fetch RTT   ``fetch_shard(t).result()`` of a 10-element tensor vs. a raw
                   pickle-over-TCP echo with tdmesh's framing, to a second process
-  (5) N workers   (2) on a mesh of N workers (every op goes to all N ranks)
+  (7) N workers   (2) on a mesh of N workers (every op goes to all N ranks)
 """
 
 from __future__ import annotations
@@ -91,6 +94,47 @@ def bench_dispatched(mesh, n: int, repeats: int) -> tuple[list[float], list[floa
     value = run(3)
     assert float(value.min()) == float(value.max()) == 3.0, value
     return times, issue_times
+
+
+def bench_coalesced(mesh, n: int, repeats: int) -> list[float]:
+    """(4) the loop of (2) inside ``tdmesh.coalescing()``: one batch per rank at the end."""
+    import tdmesh
+
+    def run(k):
+        with mesh.activate():
+            with tdmesh.coalescing():
+                local = h.run_loop_local(k, SHAPE)
+            return tdmesh.fetch_shard(local).result()
+
+    times = _timed_loop(run, n, repeats, min(n, 1000))
+    value = run(4)
+    assert float(value.min()) == float(value.max()) == 4.0, value
+    return times
+
+
+def bench_compiled(mesh, n: int, repeats: int, body: int) -> list[float]:
+    """(5) a compiled function doing ``body`` adds, called n/body times: one message per call."""
+    import torch
+    import tdmesh
+
+    @tdmesh.compile
+    def step(local, ones):
+        for _ in range(body):
+            local = ones + local
+        return local
+
+    def run(k):
+        with mesh.activate():
+            local = torch.zeros(SHAPE)
+            ones = torch.ones(SHAPE)
+            for _ in range(k // body):
+                local = step(local, ones)
+            return tdmesh.fetch_shard(local).result()
+
+    times = _timed_loop(run, n, repeats, min(n, 1000))
+    value = run(3 * body)
+    assert float(value.min()) == float(value.max()) == 3.0 * body, value
+    return times
 
 
 def bench_remote_function(mesh, n: int, repeats: int) -> list[float]:
@@ -176,6 +220,9 @@ def main(argv=None) -> int:
     with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh:
         results["dispatched"], issue_1w = bench_dispatched(mesh, n, reps)
         results["remote"] = bench_remote_function(mesh, n, reps)
+        results["coalesced"] = bench_coalesced(mesh, n, reps)
+        results["compiled1"] = bench_compiled(mesh, n, reps, 1)
+        results["compiled100"] = bench_compiled(mesh, n, reps, 100)
         fetch_times, raw_times, bytes_times, blob_len = bench_fetch_rtt(mesh, args.fetches)
 
     workers = args.workers
@@ -193,7 +240,10 @@ def main(argv=None) -> int:
         "local": "(1) local loop, this process",
         "dispatched": "(2) dispatched, 1 worker, + fetch",
         "remote": "(3) one remote fn (whole loop), + fetch",
-        "workers": f"(5) dispatched, {workers} workers, + fetch",
+        "coalesced": "(4) (2) inside coalescing(), + fetch",
+        "compiled1": "(5a) compiled fn of 1 add, N calls",
+        "compiled100": "(5b) compiled fn of 100 adds, N/100 calls",
+        "workers": f"(7) dispatched, {workers} workers, + fetch",
     }
     rows = []
     ops = {}
@@ -211,7 +261,7 @@ def main(argv=None) -> int:
     f_med, f_p99 = statistics.median(fetch_times), h.percentile(fetch_times, 99)
     r_med, r_p99 = statistics.median(raw_times), h.percentile(raw_times, 99)
     print()
-    print(f"(4) small-tensor fetch round trip (10 fp32 elements, {args.fetches} round trips after a warm-up):")
+    print(f"(6) small-tensor fetch round trip (10 fp32 elements, {args.fetches} round trips after a warm-up):")
     h.print_table(["", "median", "p99", "min"], [
         ["tdmesh fetch_shard(t).result()", h.fmt_us(f_med), h.fmt_us(f_p99), h.fmt_us(min(fetch_times))],
         ["raw pickle+framed TCP echo", h.fmt_us(r_med), h.fmt_us(r_p99), h.fmt_us(min(raw_times))],
@@ -236,6 +286,10 @@ def main(argv=None) -> int:
     print(f"  client issue time        = {min(issue_1w) / n * 1e6:.1f} us/op  (the loop of (2) alone, before the "
           f"fetch; the rest of (2) is the worker catching up)")
     print(f"  remote_function/local    = {base_best / min(results['remote']):.3f}x")
+    print(f"  coalescing/local         = {base_best / min(results['coalesced']):.3f}x")
+    print(f"  compiled(1 op)/local     = {base_best / min(results['compiled1']):.3f}x  "
+          f"({n / min(results['compiled1']):,.0f} calls/s)")
+    print(f"  compiled(100 ops)/local  = {base_best / min(results['compiled100']):.3f}x")
     print(f"  fetch_rtt/raw_rtt        = {f_med / r_med:.2f}x  (median {h.fmt_us(f_med)} vs {h.fmt_us(r_med)}; "
           f"p99 {h.fmt_us(f_p99)} vs {h.fmt_us(r_p99)})")
     print(f"  fetch_rtt/bytes_rtt      = {f_med / statistics.median(bytes_times):.2f}x  (socket floor, median "
