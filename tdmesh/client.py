@@ -20,9 +20,11 @@ import torch
 
 from . import _coalescing as coalescing
 from . import messages as m
+from .config import ControllerParams, SupervisionParams
 from .controller import History
 from .errors import DeviceException
 from .future import Future
+from .supervisor import FleetFailure, Supervisor
 from .tensor import call_site, frames
 from .transport import Connection, ProtocolError, encode
 
@@ -38,7 +40,9 @@ class WorkerLost(Exception):
 
 class Client:
     def __init__(self, conns: dict[int, Connection], hellos: dict[int, m.Hello], log_dir: str | None = None,
-                 on_shutdown: Callable[[], None] | None = None) -> None:
+                 on_shutdown: Callable[[], None] | None = None, supervision: SupervisionParams | None = None,
+                 controller: ControllerParams | None = None,
+                 process_failure: Callable[[], str | None] | None = None) -> None:
         self.lock = threading.RLock()
         self.conns = conns
         self.hellos = hellos
@@ -60,10 +64,18 @@ class Client:
         self.failure: DeviceException | None = None
         self.closed = False
         self._on_shutdown = on_shutdown
+        self._process_failure = process_failure
+        self.exiting = False
+        self.supervision = supervision or SupervisionParams.from_env()
+        self.controller = controller or ControllerParams.from_env()
+        self._ops_since_probe = 0
+        self.supervisor = Supervisor(self, self.supervision, self.controller, process_failure)
         self._reader = threading.Thread(target=self._read_loop, name="tdmesh-reader", daemon=True)
         self._reader.start()
         self._flusher = threading.Thread(target=self._flush_loop, name="tdmesh-flusher", daemon=True)
         self._flusher.start()
+        self.send_all(m.Supervise(self.supervision.heartbeat_interval), setup=True)
+        self.flush()
 
     # -- ids -------------------------------------------------------------------------------
     def new_ref(self) -> int:
@@ -99,6 +111,9 @@ class Client:
                 self._queue_deletes()
             if seq is not None:
                 self.history.add(seq, uses, defs, call_site(), future)
+                self._ops_since_probe += 1
+                if self._ops_since_probe >= self.controller.ops_per_progress_request:
+                    self._queue_probe(seq)
             data = encode(msg)
             buffers = self._buffers
             for r in (mesh.rank_list if ranks is None else ranks):
@@ -108,6 +123,39 @@ class Client:
                 coalescing.clients().add(self)
             elif self._buffered_bytes > _FLUSH_BYTES or time.monotonic() - self._last_flush > _FLUSH_INTERVAL:
                 self.flush()
+
+    def _queue_probe(self, seq: int) -> None:
+        """A RequestStatus after ``seq``: progress for the supervisor and completion for the
+        history, so long runs without fetches keep both current (and memory flat)."""
+        self._ops_since_probe = 0
+        data = encode(m.RequestStatus(seq))
+        for r in self.ranks:
+            self._buffers[r].append(data)
+        self.supervisor.probed(seq)
+        self._drain_inbox()
+
+    def send_probe(self) -> None:
+        """From the supervisor thread: probe progress if the user is not sending anything."""
+        if self.lock.acquire(timeout=0.1):
+            try:
+                if not self.closed and self.failure is None and self._next_seq:
+                    self._queue_probe(self._next_seq - 1)
+                    self.flush()
+            finally:
+                self.lock.release()
+
+    def outstanding_work(self, frontier: int) -> bool:
+        return self._next_seq > frontier
+
+    def _drain_inbox(self) -> None:
+        """Apply whatever replies already arrived, without waiting (caller holds the lock)."""
+        inbox = self.inbox
+        while not inbox.empty():
+            try:
+                rank, msg = inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._apply(rank, msg)
 
     def send_all(self, msg, setup: bool = False) -> None:
         self.send(None, msg, ranks=self.ranks, setup=setup)
@@ -196,9 +244,18 @@ class Client:
                 if msgs is None:
                     sel.unregister(key.fileobj)
                     open_ranks.discard(rank)
-                    self.inbox.put((rank, WorkerLost(str(error) if error else "connection closed")))
+                    if not self.exiting:
+                        why = self._exit_reason(rank) or (str(error) if error else "its connection closed")
+                        self.inbox.put((rank, WorkerLost(why)))
                     continue
+                supervisor = self.supervisor
+                supervisor.seen(rank)
                 for msg in msgs:
+                    t = type(msg)
+                    if t is m.Heartbeat:
+                        continue
+                    if t is m.Status:
+                        supervisor.status(rank, msg.first_uncompleted)
                     self.inbox.put((rank, msg))
 
     def pump(self, timeout: float | None = 0, until: Callable[[], bool] | None = None) -> None:
@@ -228,13 +285,56 @@ class Client:
         elif t is WorkerLost:
             if not self.closed:
                 self._lost(rank, str(msg))
+        elif t is FleetFailure:
+            self._fail_fleet(msg.args[0])
         else:
             self._fail_fleet(DeviceException(f"rank {rank} sent an unexpected {t.__name__}: {msg!r}"))
 
-    def _lost(self, rank: int, why: str) -> None:
+    def _exit_reason(self, rank: int) -> str | None:
+        """How a worker whose connection closed ended, if the launcher can tell (local_mesh)."""
+        if self._process_failure is None:
+            return None
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            why = self._process_failure()
+            if why:
+                return why
+            time.sleep(0.05)
+        return None
+
+    def describe(self, rank: int) -> str:
         hello = self.hellos.get(rank)
-        where = f" (host {hello.hostname}, pid {hello.pid}{', log ' + hello.log if hello.log else ''})" if hello else ""
-        self._fail_fleet(DeviceException(f"worker rank {rank}{where} was lost: {why}"))
+        if hello is None:
+            return ""
+        return f"(host {hello.hostname}, pid {hello.pid})"
+
+    def where_logs(self) -> str:
+        files = {r: h.log for r, h in self.hellos.items() if h.log}
+        if files:
+            return "worker logs: " + ", ".join(f"rank {r}: {f}" for r, f in sorted(files.items()))
+        return f"worker logs: {self.log_dir or 'the terminal that started the workers'}"
+
+    def site_of(self, seq: int) -> str:
+        node = self.history._by_seq.get(seq)
+        if node is None or not node.site:
+            return "<unknown>"
+        filename, lineno, name = node.site[0]
+        return f'File "{filename}", line {lineno}, in {name}'
+
+    def fail_from_supervisor(self, exc: DeviceException) -> None:
+        """From the supervisor thread: the fleet is broken; wake whoever waits."""
+        if self.exiting:
+            return
+        if self.failure is None:
+            self.failure = exc
+        self.inbox.put((-1, FleetFailure(exc)))
+
+    def _lost(self, rank: int, why: str) -> None:
+        if why.startswith("worker rank"):
+            self._fail_fleet(DeviceException(f"{why}\n{self.where_logs()}"))
+        else:
+            self._fail_fleet(DeviceException(f"worker rank {rank} {self.describe(rank)} was lost: {why}\n"
+                                             f"{self.where_logs()}"))
 
     def _fail_fleet(self, exc: DeviceException) -> None:
         if self.failure is None:
@@ -253,6 +353,7 @@ class Client:
         """Stop every worker; idempotent."""
         if self.closed:
             return
+        self.exiting = True
         try:
             if self.failure is None:
                 with self.lock:

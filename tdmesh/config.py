@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 VARIABLES = {
     "TDMESH_BACKEND": ("", "process-group backend for workers: nccl or gloo (default: nccl with CUDA, else gloo)"),
@@ -16,7 +17,42 @@ VARIABLES = {
     "TDMESH_PEER_EXIT_DELAY": ("2.0", "seconds a torchrun worker waits before exiting for another process's failure, so that rank 0 (the script) is torchrun's root cause"),
     "TDMESH_SCOPE": ("", "store key prefix of a local_mesh fleet (set by local_mesh)"),
     "TDMESH_CONNECT_TIMEOUT": ("120", "seconds the controller waits for every worker to connect"),
+    "TDMESH_PG_TIMEOUT": ("120", "seconds a collective may wait before torch.distributed fails it (torch's default is 10 min)"),
+    "TDMESH_HEARTBEAT_INTERVAL": ("2.0", "SupervisionParams.heartbeat_interval: seconds between worker heartbeats"),
+    "TDMESH_HEARTBEAT_TIMEOUT": ("20.0", "SupervisionParams.heartbeat_timeout: silence after which a worker is dead"),
+    "TDMESH_PROGRESS_CHECK_INTERVAL": ("10.0", "ControllerParams.progress_check_interval: seconds between progress checks"),
+    "TDMESH_OPERATION_TIMEOUT": ("120.0", "ControllerParams.operation_timeout: seconds before a stuck op is reported"),
+    "TDMESH_OPS_PER_PROGRESS_REQUEST": ("100", "ControllerParams.ops_per_progress_request: ops between progress probes"),
+    "TDMESH_FAIL_ON_OPERATION_TIMEOUT": ("0", "ControllerParams.fail_on_operation_timeout: 1 makes a stuck op a DeviceException"),
 }
+
+
+class SupervisionParams(NamedTuple):
+    """How the controller watches worker liveness: heartbeats every ``heartbeat_interval``
+    seconds; a worker silent for ``heartbeat_timeout`` seconds is declared dead."""
+    heartbeat_interval: float = 2.0
+    heartbeat_timeout: float = 20.0
+
+    @staticmethod
+    def from_env() -> "SupervisionParams":
+        return SupervisionParams(env_float("TDMESH_HEARTBEAT_INTERVAL"), env_float("TDMESH_HEARTBEAT_TIMEOUT"))
+
+
+class ControllerParams(NamedTuple):
+    """Stuck-op detection: every ``progress_check_interval`` seconds (and every
+    ``ops_per_progress_request`` ops) the controller asks the workers how far they are; an op
+    not done after ``operation_timeout`` seconds is a warning, or a DeviceException when
+    ``fail_on_operation_timeout``."""
+    progress_check_interval: float = 10.0
+    operation_timeout: float = 120.0
+    ops_per_progress_request: int = 100
+    fail_on_operation_timeout: bool = False
+
+    @staticmethod
+    def from_env() -> "ControllerParams":
+        return ControllerParams(env_float("TDMESH_PROGRESS_CHECK_INTERVAL"), env_float("TDMESH_OPERATION_TIMEOUT"),
+                                env_int("TDMESH_OPS_PER_PROGRESS_REQUEST"),
+                                env_str("TDMESH_FAIL_ON_OPERATION_TIMEOUT") not in ("", "0", "false", "False"))
 
 
 def env_str(name: str, default: str | None = None) -> str:

@@ -138,6 +138,13 @@ class Fleet:
     def _stop_processes(self) -> None:
         if self.processes is None:
             return
+        if self.client.failure is not None:  # a broken fleet: no one is waiting for a clean exit
+            import signal
+            try:
+                self.processes.close(death_sig=signal.SIGKILL, timeout=5)
+            finally:
+                self.processes = None
+            return
         try:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:

@@ -35,8 +35,23 @@ def _default_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def describe_failures(processes, log_files: dict) -> str | None:
+    """What the launcher knows of dead workers: rank, pid, exit code or signal, log file."""
+    result = processes.wait(timeout=0)
+    if result is None:
+        return None
+    if not result.is_failed():
+        return "every worker exited"
+    parts = []
+    for rank, f in sorted(result.failures.items()):
+        how = f"killed by signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+        log = f", log {log_files[rank]}" if log_files.get(rank) else ""
+        parts.append(f"worker rank {rank} (pid {f.pid}{log}) died: {how}")
+    return "; ".join(parts)
+
+
 def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_dir: str | None,
-                       device_offset: int = 0) -> Fleet:
+                       device_offset: int = 0, supervision=None, controller=None) -> Fleet:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
     if hosts < 1 or gpus_per_host < 1:
@@ -86,12 +101,7 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
           f"worker logs: {where}", file=sys.stderr, flush=True)
 
     def failed() -> str | None:
-        result = processes.wait(timeout=0)
-        if result is not None and result.is_failed():
-            return "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(result.failures.items()))
-        if result is not None:
-            return "every worker exited before connecting"
-        return None
+        return describe_failures(processes, log_files)
 
     try:
         conns, hellos = accept_workers(store, world, host="127.0.0.1", bind="127.0.0.1", scope=scope, alive=failed)
@@ -100,7 +110,8 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
         raise
     hellos = {r: h._replace(log=log_files.get(r) or h.log) for r, h in hellos.items()}
     from .client import Client
-    client = Client(conns, hellos, log_dir=log_dir)
+    client = Client(conns, hellos, log_dir=log_dir, supervision=supervision, controller=controller,
+                    process_failure=failed)
     return Fleet(client, processes, store, log_files)
 
 
@@ -137,7 +148,7 @@ def local_meshes(meshes: int = 2, hosts_per_mesh: int = 1, gpus_per_host: int | 
         for i in range(meshes):
             sub_dir = os.path.join(log_dir, f"mesh{i}") if log_dir and meshes > 1 else log_dir
             offset = i * hosts_per_mesh * gpus if torch.cuda.is_available() else 0
-            fleets.append(_start_local_fleet(hosts_per_mesh, gpus, backend, sub_dir, offset))
+            fleets.append(_start_local_fleet(hosts_per_mesh, gpus, backend, sub_dir, offset, supervision, controller))
         result = [_mesh_for(f, hosts_per_mesh, gpus) for f in fleets]
     except BaseException:
         for f in fleets:

@@ -143,6 +143,11 @@ class CommandGroup(NamedTuple):
     commands: tuple
 
 
+class Supervise(NamedTuple):
+    """Start sending Heartbeats every ``heartbeat_interval`` seconds."""
+    heartbeat_interval: float
+
+
 class Exit(NamedTuple):
     """Leave the message loop; ``error`` is why the client is shutting the fleet down."""
     error: Optional[str] = None
@@ -157,6 +162,11 @@ class Hello(NamedTuple):
     pid: int
     device: str               # "cpu" or "cuda:N"
     log: Optional[str]
+
+
+class Heartbeat(NamedTuple):
+    """A worker is alive (sent from a thread of its own, whatever its streams are doing)."""
+    rank: int
 
 
 class FetchResult(NamedTuple):
@@ -187,8 +197,8 @@ class DependentError(NamedTuple):
 
 CLIENT_TO_WORKER = (CallFunction, SendValue, Reduce, SendTensor, CreateGroups, DefineRecording, CallRecording,
                     BorrowCreate, BorrowFirstUse, BorrowLastUse,
-                    BorrowDrop, DeleteRefs, RequestStatus, CommandGroup, Exit)
-WORKER_TO_CLIENT = (Hello, FetchResult, RemoteFunctionFailed, Status)
+                    BorrowDrop, DeleteRefs, RequestStatus, CommandGroup, Supervise, Exit)
+WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, Status)
 
 
 class MeshArg(NamedTuple):

@@ -78,12 +78,15 @@ class Borrow:
         if aliases.mutable_borrow is not None:
             _raise(TypeError(f"BORROWED: tensor {origin.ref} is mutably borrowed (at "
                              f"{_where(aliases.mutable_borrow.site)}) and cannot be borrowed again\n  at {user_line()}"))
-        if aliases.borrow is not None and mutable:
+        if aliases.borrow is not None and not aliases.borrow.mutable and mutable:
             _raise(TypeError(f"MUTATING_BORROW: tensor {origin.ref} is itself a read-only borrow and cannot be "
                              f"borrowed mutably\n  at {user_line()}"))
         if mutable and aliases.read_borrows:
             raise RuntimeError("Cannot borrow this tensor mutably because it (or a view) is already being "
                                f"borrowed non-mutably (tensor {origin.ref})\n  at {user_line()}")
+        if aliases.borrow is not None and not aliases.borrow.first_use_sent:
+            # the origin is itself a borrowed tensor that its stream has not received yet
+            aliases.borrow.first_use()
         mesh = origin.mesh
         client = mesh.client
         self.origin = origin

@@ -441,6 +441,8 @@ def _wire(obj):
         return {k: _wire(v) for k, v in obj.items()}
     if t is torch.Tensor or isinstance(obj, torch.Tensor):
         return obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuples keep their type
+        return t(*(_wire(x) for x in obj))
     wire = getattr(obj, "_tdmesh_wire", None)
     if wire is not None:
         return wire()

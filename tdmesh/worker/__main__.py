@@ -59,7 +59,7 @@ def main(argv=None) -> int:
             print(f"tdmesh.worker: script {args.script!r} not found", file=sys.stderr)
         client = _start_client(args.script, args.script_args)
     try:
-        code = run_worker()
+        code, clean = run_worker()
     except BaseException:
         if client is not None:
             client.kill()
@@ -68,7 +68,11 @@ def main(argv=None) -> int:
         client_code = client.wait()
         if client_code < 0:  # killed by a signal: report like a shell does
             client_code = 128 - client_code
-        return client_code
+        code = client_code
+    if not clean:  # do not wait in teardown for streams stuck on dead peers
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 

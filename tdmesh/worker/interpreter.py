@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
@@ -182,6 +183,17 @@ class Interpreter:
     def CommandGroup(self, msg: m.CommandGroup) -> None:
         for command in msg.commands:
             self.handle(command)
+
+    def Supervise(self, msg: m.Supervise) -> None:
+        """Heartbeats come from a thread of their own: a busy stream is not a dead worker."""
+        def beat() -> None:
+            while self.exit_request is None and self.fatal is None:
+                try:
+                    self.send(m.Heartbeat(self.rank))
+                except OSError:
+                    return
+                time.sleep(msg.heartbeat_interval)
+        threading.Thread(target=beat, name="tdmesh-heartbeat", daemon=True).start()
 
     def Exit(self, msg: m.Exit) -> None:
         for s in list(self.streams.values()):

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,28 +35,35 @@ def pick_device() -> torch.device:
     return torch.device("cuda", index)
 
 
-def run_worker() -> int:
-    """Serve one controller until it says Exit; returns the process exit code."""
+def run_worker() -> tuple[int, bool]:
+    """Serve one controller until it says Exit; returns (exit code, clean).
+
+    Not clean means the controller vanished or this worker broke: a stream may be stuck in
+    a collective whose peers are dead, so the caller leaves with ``os._exit`` rather than
+    waiting in teardown."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     device = pick_device()
     backend = env_str("TDMESH_BACKEND", "") or ("nccl" if device.type == "cuda" else "gloo")
     store = connect_store()
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, store=dist.PrefixStore(_scope() + "/pg", store),
-                            rank=rank, world_size=world_size, **kwargs)
-    try:
-        found = read_controller(store)
-        if found is None:
-            log.info("rank %d: the job ended before a controller started", rank)
-            return 0
-        host, port, token = found
-        return _serve(rank, device, connect(host, port), token)
-    finally:
+    dist.init_process_group(backend, store=dist.PrefixStore(_scope() + "/pg", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=env_float("TDMESH_PG_TIMEOUT")),
+                            **kwargs)
+    found = read_controller(store)
+    if found is None:
+        log.info("rank %d: the job ended before a controller started", rank)
         dist.destroy_process_group()
+        return 0, True
+    host, port, token = found
+    code, clean = _serve(rank, device, connect(host, port), token)
+    if clean:
+        dist.destroy_process_group()
+    return code, clean
 
 
-def _serve(rank: int, device: torch.device, conn, token: str) -> int:
+def _serve(rank: int, device: torch.device, conn, token: str) -> tuple[int, bool]:
+    """Run the message loop; returns (exit code, whether the controller ended it cleanly)."""
     conn.send_messages([m.Hello(rank, token, socket.gethostname(), os.getpid(), str(device),
                                 os.environ.get("TDMESH_LOG_FILE"))])
     send_lock = threading.Lock()
@@ -70,22 +78,22 @@ def _serve(rank: int, device: torch.device, conn, token: str) -> int:
             msgs = conn.recv_messages()
             if msgs is None:
                 log.error("rank %d: the controller closed the connection without Exit; leaving", rank)
-                return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1)
+                return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1), False
             for msg in msgs:
                 interp.handle(msg)
             if interp.fatal is not None:
                 raise interp.fatal
     except (ProtocolError, ProtocolViolation, ConnectionError) as e:
         log.error("rank %d: %s", rank, e)
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1)
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1), False
     finally:
         conn.close()
     if interp.exit_request.error is None:
-        return 0
+        return 0, True
     if interp.caused_error:
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1)
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1), True
     if rank != 0 and not os.environ.get("TDMESH_SCOPE"):
         # Under torchrun, let rank 0 (which exits with the script's own code) be the first
         # failure torchrun observes, so its summary names the script as the root cause.
         time.sleep(env_float("TDMESH_PEER_EXIT_DELAY", 2.0))
-    return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1)
+    return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1), True
