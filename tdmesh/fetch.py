@@ -10,7 +10,7 @@ from ._coalescing import check_not_coalescing
 from .future import Future
 from .remote import Remote, _mesh_of, prepare_call
 from .stream import get_active_stream
-from .tensor import Tensor, _wire, user_line
+from .tensor import Tensor, _wire, sealed_args, user_line
 
 __all__ = ["fetch_shard", "inspect", "call_on_shard_and_fetch"]
 
@@ -43,7 +43,7 @@ def _send_value(mesh, function, args, kwargs, rank: int) -> Future:
     fut = Future(client)
     with client.lock:
         seq = client.new_seq()
-        client.send(mesh, m.SendValue(seq, (), function, _wire(args), _wire(kwargs), stream.id, groups), seq,
+        client.send(mesh, m.SendValue(seq, (), function, sealed_args(args, kwargs), {}, stream.id, groups), seq,
                     [t.ref for t in tensors], (), fut, ranks=(rank,), deletes_first=True)
         client.request_status(seq)
         client.flush()
@@ -62,7 +62,7 @@ def _send_value_all(mesh, function, args, kwargs) -> Future:
     fut.gather = mesh.shape
     with client.lock:
         seq = client.new_seq()
-        client.send(mesh, m.SendValue(seq, (), function, _wire(args), _wire(kwargs), stream.id, groups), seq,
+        client.send(mesh, m.SendValue(seq, (), function, sealed_args(args, kwargs), {}, stream.id, groups), seq,
                     [t.ref for t in tensors], (), fut, deletes_first=True)
         client.request_status(seq)
         client.flush()

@@ -21,7 +21,8 @@ from . import messages as m
 from ._context import active_mesh_or_none
 from .propagation import TensorMeta, meta_tensor, tensor_meta
 from .stream import get_active_stream
-from .tensor import Tensor, _Aliases, _describe, _op_path, _wire, check_inputs, check_mutation, user_line
+from .tensor import (Tensor, _Aliases, _describe, _op_path, _wire, check_inputs, check_mutation, sealed_args,
+                     user_line)
 
 __all__ = ["remote", "Remote", "function_path"]
 
@@ -162,7 +163,7 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict):
             check_mutation(t, fn)
         mutated_refs = [r for t in mutated for r in t._r.aliases.refs]
         seq = client.new_seq()
-        msg = m.CallFunction(seq, tuple(results), tuple(mutated_refs), fn._target, _wire(args), _wire(kwargs),
+        msg = m.CallFunction(seq, tuple(results), tuple(mutated_refs), fn._target, sealed_args(args, kwargs), {},
                              stream.id, groups)
         client.send(mesh, msg, seq, [t.ref for t in remote_args], [r for r in results if r is not None] + mutated_refs)
     if outputs is None:

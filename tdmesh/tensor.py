@@ -449,6 +449,17 @@ def _wire(obj):
     return obj
 
 
+def sealed_args(args: tuple, kwargs: dict) -> bytes:
+    """A user function's arguments, pickled on their own: a value the worker cannot unpickle
+    (a class defined in ``__main__``, say) then fails that call, not the worker's whole frame."""
+    import pickle
+    try:
+        return pickle.dumps((_wire(args), _wire(kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise TypeError(f"the arguments of this remote call cannot be pickled ({type(e).__name__}: {e})"
+                        f"\n  at {user_line()}") from e
+
+
 def _ship_local(func, data: torch.Tensor, mesh):
     """``torch.tensor(data)`` under a mesh: the data travels with the op."""
     client = mesh.client

@@ -29,6 +29,10 @@ SAMPLES = {
     m.DeleteRefs: m.DeleteRefs((1, 2, 3)),
     m.RequestStatus: m.RequestStatus(11),
     m.CommandGroup: m.CommandGroup((m.RequestStatus(1), m.DeleteRefs((9,)))),
+    m.DefineRecording: m.DefineRecording(5, (m.DeleteRefs((9,)),), (1, 2), (3,), 0, 2),
+    m.CallRecording: m.CallRecording(15, 5, (10, 11), (12,)),
+    m.Supervise: m.Supervise(0.5),
+    m.Heartbeat: m.Heartbeat(3),
     m.Exit: m.Exit("the client hit an error"),
     m.Hello: m.Hello(2, "tok-123", "host-a", 4242, "cuda:1", "/tmp/worker2.log"),
     m.FetchResult: m.FetchResult(12, None, m.DependentError(10)),
@@ -53,6 +57,10 @@ FIELDS = {
     m.RequestStatus: ("seq",),
     m.CommandGroup: ("commands",),
     m.Exit: ("error",),
+    m.DefineRecording: ("recording", "commands", "formals", "results", "index", "total"),
+    m.CallRecording: ("seq", "recording", "actuals", "results"),
+    m.Supervise: ("heartbeat_interval",),
+    m.Heartbeat: ("rank",),
     m.Hello: ("rank", "token", "hostname", "pid", "device", "log"),
     m.FetchResult: ("seq", "value", "error"),
     m.RemoteFunctionFailed: ("seq", "rank", "exc_type", "message", "traceback"),
@@ -75,9 +83,10 @@ DEFAULTS = {
 
 def test_direction_tables_are_exactly_the_documented_records():
     assert m.CLIENT_TO_WORKER == (m.CallFunction, m.SendValue, m.Reduce, m.SendTensor, m.CreateGroups,
-                                  m.BorrowCreate, m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop,
-                                  m.DeleteRefs, m.RequestStatus, m.CommandGroup, m.Exit)
-    assert m.WORKER_TO_CLIENT == (m.Hello, m.FetchResult, m.RemoteFunctionFailed, m.Status)
+                                  m.DefineRecording, m.CallRecording, m.BorrowCreate, m.BorrowFirstUse,
+                                  m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs, m.RequestStatus, m.CommandGroup,
+                                  m.Supervise, m.Exit)
+    assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.Status)
     assert set(m.CLIENT_TO_WORKER).isdisjoint(m.WORKER_TO_CLIENT)
     assert set(SAMPLES) == set(m.CLIENT_TO_WORKER) | set(m.WORKER_TO_CLIENT)
 

@@ -205,8 +205,9 @@ class Interpreter:
         env = stream.env
         try:
             fn = resolve(msg.function)
-            args = self._resolve(msg.args, stream)
-            kwargs = self._resolve(msg.kwargs, stream) if msg.kwargs else {}
+            raw_args, raw_kwargs = _unseal(msg.args, msg.kwargs)
+            args = self._resolve(raw_args, stream)
+            kwargs = self._resolve(raw_kwargs, stream) if raw_kwargs else {}
             self._bind(env, msg.results, fn(*args, **kwargs))
         except DependentOnError as e:
             self._poison(env, msg.results, msg.mutates, e.poison)
@@ -219,8 +220,9 @@ class Interpreter:
         env = stream.env
         try:
             fn = resolve(msg.function) if msg.function is not None else None
-            args = self._resolve(msg.args, stream)
-            kwargs = self._resolve(msg.kwargs, stream) if msg.kwargs else {}
+            raw_args, raw_kwargs = _unseal(msg.args, msg.kwargs)
+            args = self._resolve(raw_args, stream)
+            kwargs = self._resolve(raw_kwargs, stream) if raw_kwargs else {}
             if fn is None:
                 if len(args) != 1 or kwargs:
                     raise ProtocolViolation("SendValue without a function takes exactly one argument")
@@ -341,6 +343,8 @@ class Interpreter:
             return self.groups.remote(obj.ref, stream.id)
         if t is torch.device and obj.type != "cpu":
             return self.device
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a user NamedTuple holding refs
+            return t(*(self._resolve(x, stream) for x in obj))
         return obj
 
     @staticmethod
@@ -374,6 +378,13 @@ class Interpreter:
         log.debug("seq %s failed on worker %s running %s:\n%s", seq, self.rank, name, tb)
         self.send(m.RemoteFunctionFailed(seq, self.rank, type(error).__name__, str(error), tb))
         self._poison(env, results, mutates, Poison(seq, f"{type(error).__name__}: {error}"))
+
+
+def _unseal(args, kwargs):
+    """Arguments as sent: a tuple (aten ops), or pickled bytes (user functions, see sealed_args)."""
+    if type(args) is bytes:
+        return pickle.loads(args)
+    return args, kwargs
 
 
 def _to_fetchable(leaf):

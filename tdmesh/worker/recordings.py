@@ -10,6 +10,7 @@ against the CallRecording's seq, so a failure inside fails the call's outputs to
 from __future__ import annotations
 
 import itertools
+import pickle
 
 from .. import messages as m
 
@@ -135,6 +136,12 @@ def _rename_value(obj, names: dict):
 def _rename(c, names: dict, borrows: dict, seq: int):
     t = type(c)
     if t is m.CallFunction:
+        if type(c.args) is bytes:  # sealed user-function arguments: rename inside, seal again
+            args, kwargs = pickle.loads(c.args)
+            sealed = pickle.dumps((_rename_value(args, names), _rename_value(kwargs, names)),
+                                  protocol=pickle.HIGHEST_PROTOCOL)
+            return c._replace(seq=seq, results=tuple(_ref(names, r) for r in c.results),
+                              mutates=tuple(names.get(r, r) for r in c.mutates), args=sealed)
         return c._replace(seq=seq, results=tuple(_ref(names, r) for r in c.results),
                           mutates=tuple(names.get(r, r) for r in c.mutates),
                           args=_rename_value(c.args, names), kwargs=_rename_value(c.kwargs, names))
