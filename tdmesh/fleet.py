@@ -12,6 +12,7 @@ import hmac
 import logging
 import socket
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -38,21 +39,81 @@ def controller_host() -> str:
         return "127.0.0.1"
 
 
+class Gatekeeper:
+    """The controller's listening socket.  Only processes that present the job's token in
+    their first frame get in; everything else (wrong token, garbage, oversized or truncated
+    frames, a rank already taken) is refused, logged, and closed, and nothing else happens.
+    After startup it stays open and refuses every newcomer, so strays are seen in the log."""
+
+    def __init__(self, bind: str) -> None:
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind((bind, 0))
+        self.listener.listen(64)
+        self.listener.settimeout(0.2)
+        self.port = self.listener.getsockname()[1]
+        self.token = new_token()
+        self.refused = 0
+        self.closed = False
+        self._thread: threading.Thread | None = None
+
+    def admit(self, world_size: int, taken) -> tuple[Connection, m.Hello] | None:
+        """One connection attempt: an authenticated worker's connection, or None."""
+        try:
+            sock, peer = self.listener.accept()
+        except socket.timeout:
+            return None
+        sock.settimeout(5)
+        conn = Connection(sock, max_frame=1 << 16)  # a Hello is small; a stranger gets no more
+        try:
+            msgs = conn.recv_messages() or []
+        except Exception as e:  # noqa: BLE001 - whatever a stranger sends
+            return self._refuse(conn, peer, f"{type(e).__name__}: {e}")
+        hello = msgs[0] if len(msgs) == 1 else None
+        if type(hello) is not m.Hello or not hmac.compare_digest(str(hello.token), self.token):
+            return self._refuse(conn, peer, "it did not present this job's token")
+        if not isinstance(hello.rank, int) or not 0 <= hello.rank < world_size or hello.rank in taken:
+            return self._refuse(conn, peer, f"rank {hello.rank!r} is not an open rank of this job")
+        sock.settimeout(None)
+        conn.max_frame = DEFAULT_MAX_FRAME  # authenticated: fetches may be large
+        return conn, hello
+
+    def _refuse(self, conn: Connection, peer, why: str) -> None:
+        self.refused += 1
+        log.warning("tdmesh refused a connection from %s: %s", peer, why)
+        conn.close()
+        return None
+
+    def refuse_newcomers(self) -> None:
+        """Keep the port answered after startup: every newcomer is refused and logged."""
+        def loop() -> None:
+            while not self.closed:
+                try:
+                    self.admit(0, ())
+                except OSError:
+                    return
+        self._thread = threading.Thread(target=loop, name="tdmesh-gatekeeper", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+
+
 def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str | None = None,
                    alive: Callable[[], str | None] = lambda: None, timeout: float | None = None):
     """Publish the controller in ``store`` and accept one authenticated connection per rank.
 
     ``alive()`` returns a reason when the workers can no longer come (a launcher saw them
     die), so startup failures are reported at once instead of after the timeout.
+    Returns (connections, hellos, the gatekeeper that keeps refusing strangers).
     """
     timeout = env_float("TDMESH_CONNECT_TIMEOUT") if timeout is None else timeout
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((bind, 0))
-    listener.listen(max(world_size, 16))
-    listener.settimeout(0.2)
-    token = new_token()
-    publish_controller(store, host, listener.getsockname()[1], token, scope)
+    gate = Gatekeeper(bind)
+    publish_controller(store, host, gate.port, gate.token, scope)
     conns: dict[int, Connection] = {}
     hellos: dict[int, m.Hello] = {}
     deadline = time.monotonic() + timeout
@@ -64,42 +125,27 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(conns))
                 raise DeviceException(f"ranks {missing} did not connect to the controller within {timeout:.0f} s")
-            try:
-                sock, peer = listener.accept()
-            except socket.timeout:
-                continue
-            sock.settimeout(10)
-            conn = Connection(sock, max_frame=1 << 20)
-            try:
-                msgs = conn.recv_messages() or []
-            except (OSError, ProtocolError, Exception) as e:  # noqa: BLE001 - anything a stranger sends
-                log.warning("refused a connection from %s: %s", peer, e)
-                conn.close()
-                continue
-            hello = msgs[0] if len(msgs) == 1 else None
-            if (type(hello) is not m.Hello or not hmac.compare_digest(str(hello.token), token)
-                    or not 0 <= hello.rank < world_size or hello.rank in conns):
-                log.warning("refused a connection from %s: not an authenticated worker of this job", peer)
-                conn.close()
-                continue
-            sock.settimeout(None)
-            conn.max_frame = DEFAULT_MAX_FRAME  # authenticated: fetches may be large
-            conns[hello.rank] = conn
-            hellos[hello.rank] = hello
+            admitted = gate.admit(world_size, conns)
+            if admitted is not None:
+                conn, hello = admitted
+                conns[hello.rank] = conn
+                hellos[hello.rank] = hello
     except BaseException:
         for conn in conns.values():
             conn.close()
+        gate.close()
         raise
-    finally:
-        listener.close()
-    return conns, hellos
+    gate.refuse_newcomers()
+    return conns, hellos, gate
 
 
 class Fleet:
     """Owns a client and (for local meshes) the worker processes; ``exit`` is idempotent."""
 
-    def __init__(self, client: Client, processes=None, store=None, log_files: dict | None = None) -> None:
+    def __init__(self, client: Client, processes=None, store=None, log_files: dict | None = None,
+                 gate: Gatekeeper | None = None) -> None:
         self.client = client
+        self.gate = gate
         self.processes = processes
         self.store = store
         self.log_files = log_files or {}
@@ -122,6 +168,8 @@ class Fleet:
         self.exited = True
         client = self.client
         unobserved = None
+        if self.gate is not None:
+            self.gate.close()
         try:
             if error is None:
                 self.drain()

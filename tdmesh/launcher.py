@@ -104,7 +104,8 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
         return describe_failures(processes, log_files)
 
     try:
-        conns, hellos = accept_workers(store, world, host="127.0.0.1", bind="127.0.0.1", scope=scope, alive=failed)
+        conns, hellos, gate = accept_workers(store, world, host="127.0.0.1", bind="127.0.0.1", scope=scope,
+                                             alive=failed)
     except BaseException:
         processes.close()
         raise
@@ -112,7 +113,7 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
     from .client import Client
     client = Client(conns, hellos, log_dir=log_dir, supervision=supervision, controller=controller,
                     process_failure=failed)
-    return Fleet(client, processes, store, log_files)
+    return Fleet(client, processes, store, log_files, gate)
 
 
 def _mesh_for(fleet: Fleet, hosts: int, gpus_per_host: int) -> DeviceMesh:
@@ -189,7 +190,7 @@ def _connect_world() -> Fleet:
     world = int(os.environ["WORLD_SIZE"])
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     store = connect_store()
-    conns, hellos = accept_workers(store, world, host=controller_host(), bind="0.0.0.0")
-    fleet = Fleet(Client(conns, hellos), store=store)
+    conns, hellos, gate = accept_workers(store, world, host=controller_host(), bind="0.0.0.0")
+    fleet = Fleet(Client(conns, hellos), store=store, gate=gate)
     _world = _mesh_for(fleet, world // per_host, per_host)
     return fleet
