@@ -16,6 +16,7 @@ from .remote import Remote, RemoteProcessGroup, remote
 from .stream import Borrow, Stream, get_active_stream
 from ._coalescing import coalescing
 from .recording import compile
+from .profiling import profile
 from .collectives import MeshSliceTensor, reduce, reduce_, slice_mesh, to_mesh
 from .fetch import call_on_shard_and_fetch, fetch_shard, inspect
 from .launcher import local_mesh, local_meshes, restart_count, world_mesh
@@ -26,5 +27,5 @@ __all__ = [
     "DeviceException", "RemoteException", "Future", "Tensor", "Remote", "remote",
     "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
-    "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "random",
+    "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "random",
 ]

@@ -9,7 +9,9 @@ one authenticated connection per rank.
 from __future__ import annotations
 
 import hmac
+import io
 import logging
+import pickle
 import socket
 import sys
 import threading
@@ -39,6 +41,25 @@ def controller_host() -> str:
         return "127.0.0.1"
 
 
+class _HelloUnpickler(pickle.Unpickler):
+    """Decodes a stranger's first frame.  Unpickling runs whatever globals a pickle names, so
+    before the token is checked nothing but a ``Hello`` (and pickle's primitive values) may be
+    built from it: a plain ``pickle.loads`` here would run a stranger's code in the client."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == (m.Hello.__module__, "Hello"):
+            return m.Hello
+        raise pickle.UnpicklingError(f"a first frame may only hold a Hello, not {module}.{name}")
+
+
+def _decode_hello(payload) -> object:
+    stream = io.BytesIO(payload)
+    hello = _HelloUnpickler(stream).load()
+    if stream.tell() != len(payload):
+        raise ProtocolError(f"{len(payload) - stream.tell()} bytes after the first message")
+    return hello
+
+
 class Gatekeeper:
     """The controller's listening socket.  Only processes that present the job's token in
     their first frame get in; everything else (wrong token, garbage, oversized or truncated
@@ -66,11 +87,11 @@ class Gatekeeper:
         sock.settimeout(5)
         conn = Connection(sock, max_frame=1 << 16)  # a Hello is small; a stranger gets no more
         try:
-            msgs = conn.recv_messages() or []
+            payload = conn.recv_payload()
+            hello = None if payload is None else _decode_hello(payload)
         except Exception as e:  # noqa: BLE001 - whatever a stranger sends
             return self._refuse(conn, peer, f"{type(e).__name__}: {e}")
-        hello = msgs[0] if len(msgs) == 1 else None
-        if type(hello) is not m.Hello or not hmac.compare_digest(str(hello.token), self.token):
+        if type(hello) is not m.Hello or not hmac.compare_digest(str(hello.token).encode("utf-8", "replace"), self.token.encode()):
             return self._refuse(conn, peer, "it did not present this job's token")
         if not isinstance(hello.rank, int) or not 0 <= hello.rank < world_size or hello.rank in taken:
             return self._refuse(conn, peer, f"rank {hello.rank!r} is not an open rank of this job")

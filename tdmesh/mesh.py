@@ -135,6 +135,12 @@ class DeviceMesh:
         self._live()
         return RemoteProcessGroup(self, dims)
 
+    def torch_mesh(self) -> "TorchMeshHandle":
+        """A handle that a remote function receives as a ``torch.distributed`` DeviceMesh with
+        this mesh's dims and groups, so DTensor / FSDP2 code runs unchanged on the workers."""
+        self._live()
+        return TorchMeshHandle(self)
+
     def exit(self, error: str | None = None) -> None:
         """Shut the fleet down (idempotent) and raise any remote error nobody observed."""
         root = self
@@ -151,6 +157,20 @@ class DeviceMesh:
 
     def __str__(self) -> str:
         return f"DeviceMesh {self._shape}\n{self.to_table()}"
+
+
+class TorchMeshHandle:
+    """See :meth:`DeviceMesh.torch_mesh`."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+
+    def _tdmesh_wire(self):
+        from .messages import TorchMeshArg
+        return TorchMeshArg(self.mesh.shape)
+
+    def __repr__(self) -> str:
+        return f"<torch DeviceMesh handle for {self.mesh.shape}>"
 
 
 _builtins: dict = {}

@@ -206,6 +206,12 @@ class MeshArg(NamedTuple):
     shape: Any
 
 
+class TorchMeshArg(NamedTuple):
+    """``mesh.torch_mesh()``: the worker substitutes a ``torch.distributed.device_mesh.DeviceMesh``
+    with the same dims, over the per-dim groups of the calling stream (DTensor, FSDP2)."""
+    mesh: Any
+
+
 class ProcessGroupArg(NamedTuple):
     """A ``RemoteProcessGroup`` argument; the worker substitutes a real ProcessGroup over
     ``dims`` of ``mesh`` for the calling stream (one group per ref and stream)."""

@@ -87,7 +87,17 @@ class _Compiled:
     def _trace(self, client, args, kwargs, inputs) -> tuple["_Recording", object]:
         recorder = client.recorder = Recorder(client)
         try:
-            outputs = self.fn(*args, **kwargs)
+            try:
+                outputs = self.fn(*args, **kwargs)
+            except BaseException:
+                try:
+                    _drop_traced_borrows(recorder)
+                except Exception:  # the function's own error is the one to report
+                    pass
+                raise
+            if _drop_traced_borrows(recorder):
+                raise RuntimeError(f"all borrows created within a compiled function must be dropped within it "
+                                   f"(call borrow.drop() before it returns)\n  at {user_line()}")
         finally:
             client.recorder = None
         self.traces += 1
@@ -106,6 +116,24 @@ class _Compiled:
             if r is not None and r.id not in keep and r.id in rec.defined:
                 r.dropped_at = site
         return rec, outputs
+
+
+def _drop_traced_borrows(recorder: Recorder) -> bool:
+    """Drop the borrows a trace created and left undropped; True if there were any.
+
+    Their messages were only recorded, never sent, so the drop is recorded too (and thrown
+    away with the trace): a definition that the workers would reject (a ProtocolViolation
+    that ends every worker) is never sent, and a later drop cannot name an unknown borrow."""
+    created = {msg.borrow for _, msg, _, _ in recorder.messages if type(msg) is m.BorrowCreate}
+    undropped = {}
+    for ref in recorder.created:
+        r = ref()
+        borrow = r.aliases.borrow if r is not None else None
+        if borrow is not None and borrow.id in created and not borrow.dropped:
+            undropped[id(borrow)] = borrow
+    for borrow in undropped.values():
+        borrow.drop()
+    return bool(undropped)
 
 
 class _Recording:

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten, treespec
 from . import messages as m
 from ._context import active_mesh_or_none
 from .propagation import TensorMeta, meta_tensor, tensor_meta
+from .mesh import TorchMeshHandle
 from .stream import get_active_stream
 from .tensor import (Tensor, _Aliases, _describe, _op_path, _wire, check_inputs, check_mutation, sealed_args,
                      user_line)
@@ -52,24 +53,24 @@ def function_path(fn) -> str | bytes:
             pass
     try:
         import cloudpickle
-        return cloudpickle.dumps(fn)
     except ImportError:
-        pass
-    try:
-        return pickle.dumps(fn)
+        cloudpickle = None
+    try:  # cloudpickle raises TypeError/PicklingError/... for what it cannot pickle: one clear error
+        return (cloudpickle or pickle).dumps(fn)
     except Exception as e:
+        hint = "" if cloudpickle else " or install cloudpickle"
         raise ValueError(f"cannot ship {fn!r} to the workers: it has no import path and does not pickle "
-                         f"({type(e).__name__}: {e}); define it at module level or install cloudpickle") from e
+                         f"({type(e).__name__}: {e}); define it at module level{hint}") from e
 
 
 class Remote:
     """A function that runs on the workers; calling it under a mesh returns remote tensors."""
 
     def __init__(self, target, propagate=None) -> None:
+        if propagate == "mocked":  # checked first: "mocked" is a known mode, just not one tdmesh has
+            raise NotImplementedError("propagate='mocked' is not supported")
         if propagate not in (None, "cached", "inspect") and not callable(propagate):
             raise ValueError(f"propagate must be a callable, 'inspect', 'cached' or None, got {propagate!r}")
-        if propagate == "mocked":
-            raise NotImplementedError("propagate='mocked' is not supported")
         self._target = function_path(target)
         self._propagate = propagate
         self._cache: dict = {}
@@ -132,6 +133,9 @@ def prepare_call(flat, mesh, stream) -> tuple:
                 raise TypeError(f"{x!r} belongs to another fleet than the mesh this call runs on\n  at {user_line()}")
             mesh.client.ensure_groups(m.CreateGroups("remote", stream.id, x.mesh.shape, x.dims, x.ref))
             groups.append(x._tdmesh_wire())
+        elif isinstance(x, TorchMeshHandle):
+            for d in x.mesh.names:
+                mesh.client.ensure_groups(m.CreateGroups("dims", stream.id, x.mesh.shape, (d,)))
     return remote_args, tuple(groups)
 
 
@@ -181,9 +185,9 @@ def _propagate_cached(fn: Remote, args, kwargs, flat, mesh):
     def key_of(x):
         if type(x) is Tensor:
             return ("T", x._meta, x.requires_grad, alias_ids.setdefault(id(x._r.aliases), len(alias_ids)))
-        if isinstance(x, RemoteProcessGroup):
-            raise TypeError(f"{fn!r} takes a process group: cached propagation would run it on one rank, "
-                            f"where a collective waits forever; pass propagate=<callable>\n  at {user_line()}")
+        if isinstance(x, (RemoteProcessGroup, TorchMeshHandle)):
+            raise TypeError(f"{fn!r} takes a process group or device mesh: cached propagation would run it on "
+                            f"one rank, where a collective waits forever; pass propagate=<callable>\n  at {user_line()}")
         if isinstance(x, DeviceMesh):
             return ("mesh", x.shape)
         return x
@@ -195,7 +199,10 @@ def _propagate_cached(fn: Remote, args, kwargs, flat, mesh):
     except TypeError:  # unhashable arguments: probe every time
         key, hit = None, None
     if hit is None:
+        from ._coalescing import check_not_coalescing
         from .fetch import _send_value
+        check_not_coalescing(f"a cache miss of {fn!r} (cached propagation runs it once on a worker and waits "
+                             f"for the answer: call it once before the block, or give it propagate=<callable>)")
         fn.cache_misses += 1
         hit = _send_value(mesh, "tdmesh.worker.builtins.probe", (fn._target, args, kwargs), {},
                           mesh.processes.offset).result()

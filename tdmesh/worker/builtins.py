@@ -54,3 +54,31 @@ def probe(target, args, kwargs):
                             f"use call_on_shard_and_fetch or .call() for Python values")
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
     return treespec_dumps(spec), described, mutated
+
+
+_profiler = None
+
+
+def profile_start(record_shapes: bool = False) -> None:
+    """Start torch.profiler on this worker (CPU, and CUDA when present) for every stream."""
+    global _profiler
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        activities.append(ProfilerActivity.CUDA)
+    _profiler = profile(activities=activities, record_shapes=record_shapes)
+    _profiler.__enter__()
+
+
+def profile_stop(directory: str, rank: int) -> str:
+    """Stop the profiler and write this rank's Chrome/Perfetto trace; returns its path."""
+    global _profiler
+    import os
+    if _profiler is None:
+        raise RuntimeError("profile_stop without profile_start on this worker")
+    prof, _profiler = _profiler, None
+    prof.__exit__(None, None, None)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"rank{rank}.trace.json")
+    prof.export_chrome_trace(path)
+    return torch.tensor(1)

@@ -67,6 +67,19 @@ class Groups:
     def p2p(self, from_stream: int, to_stream: int):
         return self._lookup(("p2p", from_stream, to_stream))
 
+    def torch_mesh(self, stream: int, mesh, device):
+        """A torch DeviceMesh over ``mesh``'s dims, built from this stream's per-dim groups."""
+        key = ("torch_mesh", stream, mesh)
+        found = self._groups.get(key)
+        if found is None:
+            import torch
+            from torch.distributed.device_mesh import DeviceMesh
+            groups = [self.dims(stream, mesh, (d,)) for d in mesh.labels]
+            ranks = torch.tensor(mesh.ranks(), dtype=torch.int).view(*mesh.slice.sizes)
+            found = DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=mesh.labels)
+            self._groups[key] = found
+        return found
+
     def _lookup(self, key):
         try:
             group = self._groups[key]

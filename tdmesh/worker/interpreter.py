@@ -341,6 +341,8 @@ class Interpreter:
             return WorkerMesh(obj.shape, self.rank, self.device)
         if t is m.ProcessGroupArg:
             return self.groups.remote(obj.ref, stream.id)
+        if t is m.TorchMeshArg:
+            return self.groups.torch_mesh(stream.id, obj.mesh, self.device)
         if t is torch.device and obj.type != "cpu":
             return self.device
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a user NamedTuple holding refs

@@ -1,0 +1,43 @@
+"""DTensor interop and profiling on real CPU workers."""
+
+import json
+import os
+
+import torch
+
+import tdmesh
+
+
+def dtensor_views(x, tmesh):
+    from torch.distributed.tensor import DTensor, Partial, Shard
+    summed = DTensor.from_local(x, tmesh["gpu"], [Partial()]).full_tensor()
+    gathered = DTensor.from_local(x, tmesh["host"], [Shard(0)]).full_tensor()
+    return summed, gathered, torch.tensor([tmesh.size(), tmesh.ndim])
+
+
+def test_dtensor_in_a_remote_function_matches_reduce(mesh2x2):
+    f = tdmesh.remote(dtensor_views, propagate=lambda x, m: (torch.empty(2), torch.empty(4),
+                                                             torch.empty(2, dtype=torch.int64)))
+    with mesh2x2.activate():
+        x = torch.ones(2) * (mesh2x2.rank("gpu") + 1 + 10 * mesh2x2.rank("host"))
+        summed, gathered, sizes = f(x, mesh2x2.torch_mesh())
+        got = {(h, g): tdmesh.fetch_shard((summed, x.reduce("gpu"), gathered, sizes), host=h, gpu=g).result()
+               for h in range(2) for g in range(2)}
+    for (h, g), (s, reduced, gath, sz) in got.items():
+        assert torch.equal(s, reduced) and torch.equal(s, torch.full((2,), 3.0 + 20 * h))
+        assert torch.equal(gath, torch.tensor([g + 1.0, g + 1.0, g + 11.0, g + 11.0]))
+        assert sz.tolist() == [4, 2]
+
+
+def test_profile_writes_one_trace_per_rank(mesh2x2, tmp_path):
+    with mesh2x2.activate():
+        with tdmesh.profile(str(tmp_path)) as where:
+            x = torch.randn(32, 32)
+            for _ in range(3):
+                x = x @ x
+        assert where == str(tmp_path)
+    files = sorted(os.listdir(tmp_path))
+    assert files == [f"rank{r}.trace.json" for r in range(4)]
+    for name in files:
+        events = json.load(open(tmp_path / name))["traceEvents"]
+        assert any(e.get("name") == "aten::mm" for e in events)
