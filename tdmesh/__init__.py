@@ -18,7 +18,7 @@ from ._coalescing import coalescing
 from .recording import compile
 from .profiling import profile
 from .collectives import MeshSliceTensor, reduce, reduce_, slice_mesh, to_mesh
-from .fetch import call_on_shard_and_fetch, fetch_shard, inspect
+from .fetch import call_on_shard_and_fetch, fetch_all, fetch_shard, inspect, show
 from .launcher import local_mesh, local_meshes, restart_count, world_mesh
 from . import random
 
@@ -27,5 +27,5 @@ __all__ = [
     "DeviceException", "RemoteException", "Future", "Tensor", "Remote", "remote",
     "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
-    "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "random",
+    "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all", "show", "random",
 ]

@@ -12,7 +12,7 @@ from .remote import Remote, _mesh_of, prepare_call
 from .stream import get_active_stream
 from .tensor import Tensor, _wire, sealed_args, user_line
 
-__all__ = ["fetch_shard", "inspect", "call_on_shard_and_fetch"]
+__all__ = ["fetch_shard", "inspect", "call_on_shard_and_fetch", "fetch_all", "show"]
 
 
 def _shard_rank(mesh, shard: dict | None, coords: dict) -> int:
@@ -98,3 +98,50 @@ def call_on_shard_and_fetch(remote_fn: Remote, *args, shard: dict | None = None,
     mesh = _mesh_of(flat)
     rank = _shard_rank(mesh, shard, {})
     return _send_value(mesh, remote_fn._target, args, kwargs, rank)
+
+
+def fetch_all(obj) -> Future:
+    """A future of ``obj``'s value on every rank of its mesh: a ValueMesh of (point, value)."""
+    flat, _ = tree_flatten(obj)
+    mesh = _mesh_of(flat)
+    return _send_value_all(mesh, None, (obj,), {})
+
+
+def show(obj, max_chars: int = 60) -> str:
+    """``obj`` (a tdmesh tensor or pytree of them) on every rank, as a table: one row per rank.
+
+    Blocks like :func:`inspect`.  Scalars print as values, small tensors in full, large ones
+    as shape, dtype and a summary (min / mean / max).
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+    values = fetch_all(obj).result()
+    with _disable_current_modes():  # the fetched values are local, whatever mesh is active
+        return _table(values, max_chars)
+
+
+def _table(values, max_chars: int) -> str:
+    names = list(values.shape.labels)
+    rows = []
+    for point, value in values:
+        rows.append(([str(point[n]) for n in names], _summary(value, max_chars)))
+    widths = [max(len(n), *(len(r[0][i]) for r in rows)) for i, n in enumerate(names)]
+    head = "  ".join(n.rjust(w) for n, w in zip(names, widths)) + "  | value"
+    lines = [head, "-" * len(head)]
+    for coords, text in rows:
+        lines.append("  ".join(c.rjust(w) for c, w in zip(coords, widths)) + "  | " + text)
+    return "\n".join(lines)
+
+
+def _summary(value, max_chars: int) -> str:
+    import torch
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return repr(value.item())
+        text = str(value.tolist())
+        if len(text) <= max_chars:
+            return text
+        v = value.double()
+        return (f"{list(value.shape)} {str(value.dtype).split('.')[1]}  min {v.min().item():.4g}  "
+                f"mean {v.mean().item():.4g}  max {v.max().item():.4g}")
+    text = repr(value)
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."

@@ -41,3 +41,19 @@ def test_profile_writes_one_trace_per_rank(mesh2x2, tmp_path):
     for name in files:
         events = json.load(open(tmp_path / name))["traceEvents"]
         assert any(e.get("name") == "aten::mm" for e in events)
+
+
+def test_show_draws_a_value_on_every_rank(mesh2x2):
+    with mesh2x2.activate():
+        text = tdmesh.show(torch.ones(2) * mesh2x2.process_idx())
+        big = tdmesh.show(torch.arange(100.0) + mesh2x2.rank("gpu"))
+    lines = text.splitlines()
+    assert lines[0].split() == ["host", "gpu", "|", "value"]
+    assert lines[2:] == ["   0    0  | [0.0, 0.0]", "   0    1  | [1.0, 1.0]",
+                         "   1    0  | [2.0, 2.0]", "   1    1  | [3.0, 3.0]"]
+    assert "[100] float32  min 1  mean 50.5  max 100" in big
+
+
+def test_mesh_repr_and_table_show_the_rank_grid(mesh2x2):
+    assert repr(mesh2x2) == "<DeviceMesh {host=2, gpu=2} ranks 0..3>"
+    assert str(mesh2x2).splitlines()[1:] == ["       | gpu: 0 1", "host=0 |      0 1", "host=1 |      2 3"]
