@@ -19,7 +19,7 @@ from .recording import compile
 from .profiling import profile
 from .collectives import MeshSliceTensor, reduce, reduce_, slice_mesh, to_mesh
 from .fetch import call_on_shard_and_fetch, fetch_all, fetch_shard, inspect, show
-from .launcher import local_mesh, local_meshes, restart_count, world_mesh
+from .launcher import attach, local_mesh, local_meshes, restart_count, world_mesh
 from . import random
 
 __all__ = [
@@ -27,5 +27,5 @@ __all__ = [
     "DeviceException", "RemoteException", "Future", "Tensor", "Remote", "remote",
     "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
-    "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all", "show", "random",
+    "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all", "show", "attach", "random",
 ]

@@ -111,14 +111,15 @@ class Client:
                 self._queue_deletes()
             if seq is not None:
                 self.history.add(seq, uses, defs, call_site(), future)
-                self._ops_since_probe += 1
-                if self._ops_since_probe >= self.controller.ops_per_progress_request:
-                    self._queue_probe(seq)
             data = encode(msg)
             buffers = self._buffers
             for r in (mesh.rank_list if ranks is None else ranks):
                 buffers[r].append(data)
             self._buffered_bytes += len(data)
+            if seq is not None:
+                self._ops_since_probe += 1
+                if self._ops_since_probe >= self.controller.ops_per_progress_request:
+                    self._queue_probe(seq)  # after the op itself: the probe must not overtake it
             if coalescing.depth():
                 coalescing.clients().add(self)
             elif self._buffered_bytes > _FLUSH_BYTES or time.monotonic() - self._last_flush > _FLUSH_INTERVAL:
@@ -349,8 +350,8 @@ class Client:
         self.send_all(m.RequestStatus(seq))
 
     # -- shutdown --------------------------------------------------------------------------
-    def shutdown(self, error: str | None = None, timeout: float = 30.0) -> None:
-        """Stop every worker; idempotent."""
+    def shutdown(self, error: str | None = None, timeout: float = 30.0, detach: bool = False) -> None:
+        """Stop every worker (or, with ``detach``, release them for the next client); idempotent."""
         if self.closed:
             return
         self.exiting = True
@@ -358,8 +359,9 @@ class Client:
             if self.failure is None:
                 with self.lock:
                     self._queue_deletes()
+                    last = encode(m.Detach() if detach else m.Exit(error))
                     for r in self.ranks:
-                        self._buffers[r].append(encode(m.Exit(error)))
+                        self._buffers[r].append(last)
                     self._buffered_bytes = 1
                     self.flush()
                 self._reader.join(timeout)

@@ -125,7 +125,8 @@ class Gatekeeper:
 
 
 def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str | None = None,
-                   alive: Callable[[], str | None] = lambda: None, timeout: float | None = None):
+                   alive: Callable[[], str | None] = lambda: None, timeout: float | None = None,
+                   announce: Callable[[str, int, str], None] | None = None):
     """Publish the controller in ``store`` and accept one authenticated connection per rank.
 
     ``alive()`` returns a reason when the workers can no longer come (a launcher saw them
@@ -134,7 +135,10 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
     """
     timeout = env_float("TDMESH_CONNECT_TIMEOUT") if timeout is None else timeout
     gate = Gatekeeper(bind)
-    publish_controller(store, host, gate.port, gate.token, scope)
+    if announce is not None:
+        announce(host, gate.port, gate.token)
+    else:
+        publish_controller(store, host, gate.port, gate.token, scope)
     conns: dict[int, Connection] = {}
     hellos: dict[int, m.Hello] = {}
     deadline = time.monotonic() + timeout
@@ -183,7 +187,8 @@ class Fleet:
             client.request_status(client._next_seq - 1)
         client.pump(timeout, until=lambda: not len(client.history) or client.failure is not None)
 
-    def exit(self, error: str | None = None) -> None:
+    def exit(self, error: str | None = None, detach: bool = False) -> None:
+        """Stop the fleet (``detach``: release an attached fleet for the next client instead)."""
         if self.exited:
             return
         self.exited = True
@@ -196,7 +201,8 @@ class Fleet:
                 self.drain()
                 if client.history.unobserved:
                     unobserved = next(iter(client.history.unobserved.values()))
-            client.shutdown(error if error is not None else (str(unobserved) if unobserved else None))
+            client.shutdown(error if error is not None else (str(unobserved) if unobserved else None),
+                            detach=detach and error is None)
         finally:
             self._stop_processes()
         if unobserved is not None:

@@ -26,7 +26,7 @@ from .rendezvous import restart_count
 from .shape import Shape
 from .slice import Slice
 
-__all__ = ["local_mesh", "local_meshes", "world_mesh", "restart_count"]
+__all__ = ["local_mesh", "local_meshes", "world_mesh", "restart_count", "attach"]
 
 _world: DeviceMesh | None = None
 
@@ -194,3 +194,41 @@ def _connect_world() -> Fleet:
     fleet = Fleet(Client(conns, hellos), store=store, gate=gate)
     _world = _mesh_for(fleet, world // per_host, per_host)
     return fleet
+
+
+@contextlib.contextmanager
+def attach(endpoint: str, token: str, *, supervision=None, controller=None,
+           timeout: float = 120.0) -> Iterator[DeviceMesh]:
+    """Drive a fleet that ``torchrun ... -m tdmesh.worker`` (no script) keeps serving.
+
+    ``endpoint`` is the job's c10d store (``MASTER_ADDR:MASTER_PORT``) and ``token`` the job
+    token; rank 0 prints both when the fleet starts.  Leaving the block detaches: the workers
+    wait for the next client.  ``mesh.exit()`` inside the block ends the job instead.
+    """
+    import hmac
+
+    from .client import Client
+    from .fleet import controller_host
+    from .rendezvous import ATTACH, proof
+    host, port = endpoint.rsplit(":", 1)
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+    scope = store.get(ATTACH + "/current").decode()
+    if not hmac.compare_digest(store.get(scope + "/token").decode(), token):
+        raise PermissionError(f"wrong token for the tdmesh fleet at {endpoint}")
+    world, per_host = (int(v) for v in store.get(scope + "/world").decode().split(","))
+    session = store.add(scope + "/sessions", 1) - 1
+
+    def announce(my_host: str, my_port: int, session_token: str) -> None:
+        signature = proof(token, session, my_host, my_port, session_token)
+        store.set(f"{scope}/{session}/controller", f"{my_host}|{my_port}|{session_token}|{signature}")
+
+    conns, hellos, gate = accept_workers(store, world, host=controller_host(), bind="0.0.0.0", announce=announce,
+                                         timeout=timeout)
+    fleet = Fleet(Client(conns, hellos, supervision=supervision, controller=controller), store=store, gate=gate)
+    mesh = _mesh_for(fleet, world // per_host, per_host)
+    try:
+        yield mesh
+    except BaseException:
+        fleet.exit(detach=True)
+        raise
+    fleet.exit(detach=True)

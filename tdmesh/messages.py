@@ -148,6 +148,10 @@ class Supervise(NamedTuple):
     heartbeat_interval: float
 
 
+class Detach(NamedTuple):
+    """Attach mode: this client is done; forget its state and wait for the next client."""
+
+
 class Exit(NamedTuple):
     """Leave the message loop; ``error`` is why the client is shutting the fleet down."""
     error: Optional[str] = None
@@ -197,7 +201,7 @@ class DependentError(NamedTuple):
 
 CLIENT_TO_WORKER = (CallFunction, SendValue, Reduce, SendTensor, CreateGroups, DefineRecording, CallRecording,
                     BorrowCreate, BorrowFirstUse, BorrowLastUse,
-                    BorrowDrop, DeleteRefs, RequestStatus, CommandGroup, Supervise, Exit)
+                    BorrowDrop, DeleteRefs, RequestStatus, CommandGroup, Supervise, Detach, Exit)
 WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, Status)
 
 

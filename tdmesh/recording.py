@@ -94,6 +94,13 @@ class _Compiled:
                     _drop_traced_borrows(recorder)
                 except Exception:  # the function's own error is the one to report
                     pass
+                # nothing of this trace reached the workers: a tensor it made (and leaked) names a
+                # ref they never had, which would stop them; make it DROPPED on the client instead
+                site = call_site()
+                for ref in recorder.created:
+                    r = ref()
+                    if r is not None:
+                        r.dropped_at = site
                 raise
             if _drop_traced_borrows(recorder):
                 raise RuntimeError(f"all borrows created within a compiled function must be dropped within it "

@@ -190,6 +190,8 @@ def _propagate_cached(fn: Remote, args, kwargs, flat, mesh):
                             f"one rank, where a collective waits forever; pass propagate=<callable>\n  at {user_line()}")
         if isinstance(x, DeviceMesh):
             return ("mesh", x.shape)
+        if isinstance(x, (float, bool, complex)):  # 2 == 2.0 == True, but they are different calls
+            return (type(x), x)
         return x
 
     key_leaves = tuple(key_of(x) for x in flat)

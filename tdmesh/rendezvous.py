@@ -68,3 +68,19 @@ def read_controller(store: TCPStore) -> tuple[str, int, str] | None:
     token = store.get(_scope() + "/token").decode()
     host, port = address.rsplit(":", 1)
     return host, int(port), token
+
+
+# -------------------------------------------------------------------------- attach mode
+ATTACH = "tdmesh/attach"
+
+
+def attach_scope() -> str:
+    """Where an attachable fleet (torchrun without a script) announces itself in its store."""
+    return f"{ATTACH}/r{restart_count()}"
+
+
+def proof(job_token: str, *parts) -> str:
+    """HMAC of an announcement: only a client that knows the job token can direct the fleet."""
+    import hashlib
+    import hmac
+    return hmac.new(job_token.encode(), "|".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()

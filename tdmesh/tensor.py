@@ -259,6 +259,8 @@ def _scan(obj, remote: list, local: list):
     if isinstance(obj, torch.Tensor):
         local.append(obj)
         return ("local", id(obj))
+    if t is float or t is bool or t is complex:  # 12 == 12.0 == True, but they make other dtypes
+        return (t, obj)
     return obj
 
 

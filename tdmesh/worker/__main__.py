@@ -21,7 +21,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 HELP = __doc__ + """
 modes:
   torchrun [flags] -m tdmesh.worker SCRIPT [ARGS...]   workers on every rank, SCRIPT on rank 0
-  torchrun [flags] -m tdmesh.worker --serve             workers only (tdmesh.local_mesh uses this)
+  torchrun [flags] -m tdmesh.worker                     attach mode: workers wait for clients,
+                                                        tdmesh.attach(endpoint, token) from anywhere
+  torchrun [flags] -m tdmesh.worker --serve             workers for one controller (tdmesh.local_mesh uses this)
 
 Inside SCRIPT, tdmesh.world_mesh() is the mesh of every rank, dims ("host", "gpu").
 environment: TDMESH_BACKEND (nccl|gloo), TDMESH_LOG_LEVEL; see tdmesh/config.py.
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
             print(f"tdmesh.worker: script {args.script!r} not found", file=sys.stderr)
         client = _start_client(args.script, args.script_args)
     try:
-        code, clean = run_worker()
+        code, clean = run_worker(attachable=not args.script and not args.serve)
     except BaseException:
         if client is not None:
             client.kill()

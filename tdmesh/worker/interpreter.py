@@ -195,6 +195,12 @@ class Interpreter:
                 time.sleep(msg.heartbeat_interval)
         threading.Thread(target=beat, name="tdmesh-heartbeat", daemon=True).start()
 
+    def Detach(self, msg: m.Detach) -> None:
+        """Drain every stream and end this session; the worker then waits for the next client."""
+        for s in list(self.streams.values()):
+            s.close()
+        self.exit_request = msg
+
     def Exit(self, msg: m.Exit) -> None:
         for s in list(self.streams.values()):
             s.close()

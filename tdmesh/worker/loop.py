@@ -35,7 +35,7 @@ def pick_device() -> torch.device:
     return torch.device("cuda", index)
 
 
-def run_worker() -> tuple[int, bool]:
+def run_worker(attachable: bool = False) -> tuple[int, bool]:
     """Serve one controller until it says Exit; returns (exit code, clean).
 
     Not clean means the controller vanished or this worker broke: a stream may be stuck in
@@ -50,6 +50,8 @@ def run_worker() -> tuple[int, bool]:
     dist.init_process_group(backend, store=dist.PrefixStore(_scope() + "/pg", store), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=env_float("TDMESH_PG_TIMEOUT")),
                             **kwargs)
+    if attachable:
+        return _serve_attached(rank, world_size, device, store)
     found = read_controller(store)
     if found is None:
         log.info("rank %d: the job ended before a controller started", rank)
@@ -62,8 +64,36 @@ def run_worker() -> tuple[int, bool]:
     return code, clean
 
 
-def _serve(rank: int, device: torch.device, conn, token: str) -> tuple[int, bool]:
-    """Run the message loop; returns (exit code, whether the controller ended it cleanly)."""
+def _serve_attached(rank: int, world_size: int, device: torch.device, store) -> tuple[int, bool]:
+    """Serve one attached client after another until one ends the job with Exit."""
+    from .attach import publish_job, wait_for_client
+    job_token = publish_job(store, rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    session = 0
+    while True:
+        found = wait_for_client(store, job_token, session)
+        if found is None:
+            dist.destroy_process_group()
+            return 0, True
+        if found == "bad":
+            session += 1
+            continue
+        host, port, token = found
+        code, clean, detached = _serve(rank, device, connect(host, port), token, report_detach=True)
+        if not detached:
+            if clean:
+                dist.destroy_process_group()
+            return code, clean
+        session += 1
+
+
+def _serve(rank: int, device: torch.device, conn, token: str, report_detach: bool = False):
+    """Run the message loop; returns (exit code, whether the controller ended it cleanly),
+    and with ``report_detach`` also whether the client detached (attach mode)."""
+    code, clean, detached = _session(rank, device, conn, token)
+    return (code, clean, detached) if report_detach else (code, clean)
+
+
+def _session(rank: int, device: torch.device, conn, token: str) -> tuple[int, bool, bool]:
     conn.send_messages([m.Hello(rank, token, socket.gethostname(), os.getpid(), str(device),
                                 os.environ.get("TDMESH_LOG_FILE"))])
     send_lock = threading.Lock()
@@ -78,22 +108,24 @@ def _serve(rank: int, device: torch.device, conn, token: str) -> tuple[int, bool
             msgs = conn.recv_messages()
             if msgs is None:
                 log.error("rank %d: the controller closed the connection without Exit; leaving", rank)
-                return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1), False
+                return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1), False, False
             for msg in msgs:
                 interp.handle(msg)
             if interp.fatal is not None:
                 raise interp.fatal
     except (ProtocolError, ProtocolViolation, ConnectionError) as e:
         log.error("rank %d: %s", rank, e)
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1), False
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1), False, False
     finally:
         conn.close()
+    if type(interp.exit_request) is m.Detach:
+        return 0, True, True
     if interp.exit_request.error is None:
-        return 0, True
+        return 0, True, False
     if interp.caused_error:
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1), True
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1), True, False
     if rank != 0 and not os.environ.get("TDMESH_SCOPE"):
         # Under torchrun, let rank 0 (which exits with the script's own code) be the first
         # failure torchrun observes, so its summary names the script as the root cause.
         time.sleep(env_float("TDMESH_PEER_EXIT_DELAY", 2.0))
-    return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1), True
+    return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1), True, False
