@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     batch = tdmesh.remote(train["seeded_batch"], propagate=lambda d, b, t, r, s: (
         torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
     with tdmesh.local_mesh(hosts=1, gpus_per_host=args.workers) as mesh, mesh.activate():
-        torch.manual_seed(0)
+        tdmesh.random.set_manual_seed_remote(0)  # the same initial weights as the DDP run
         model = GPT(cfg)
         opt = (torch.optim.AdamW(model.parameters(), lr=3e-3, capturable=True) if mesh.device_type == "cuda"
                else torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9))

@@ -375,6 +375,10 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
     with client.lock:
         for leaf, (source, is_write) in zip(out.leaves, leaf_sources):
             if type(leaf) is tuple and leaf and leaf[0] == "value":
+                if leaf[1] is None:  # an optional output the op did not produce (e.g. a grad)
+                    outputs.append(None)
+                    results.append(None)
+                    continue
                 raise TypeError(f"{func} returns a Python value ({leaf[1]!r}) that needs a fetch\n  at {user_line()}")
             if is_write and type(source) is Tensor:
                 if source._meta != leaf:

@@ -36,7 +36,7 @@ def train(mesh: tdmesh.DeviceMesh, steps: int, size: str, batch_size: int, lr: f
         torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
     losses = []
     with mesh.activate():
-        torch.manual_seed(0)                          # the same initial weights on every worker
+        tdmesh.random.set_manual_seed_remote(0)       # the same initial weights on every worker
         model = GPT(cfg)
         # capturable=True keeps AdamW's step count on the workers (no .item() round trip per
         # parameter); torch supports it on GPUs only, so CPU meshes use SGD with momentum.
