@@ -583,6 +583,9 @@ def test_isend_irecv_between_hosts(mesh2x2):
         assert torch.equal(got[h, g], torch.arange(5.0) + 100 * g)  # host1 got host0's value
 
 
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+                    reason="gloo before torch 2.13 has no list all_to_all (seen on torch 2.11: 'Backend gloo "
+                           "does not support alltoall'); the other ops are covered by the other tests")
 def test_list_collectives_inside_remote_functions(mesh2x2):
     """all_to_all, gather, scatter, reduce, reduce_scatter and reduce_scatter_tensor(AVG)
     over the "gpu" groups: group rank 0 is gpu 0 of each host."""
