@@ -32,6 +32,7 @@ SAMPLES = {
     m.DefineRecording: m.DefineRecording(5, (m.DeleteRefs((9,)),), (1, 2), (3,), 0, 2),
     m.CallRecording: m.CallRecording(15, 5, (10, 11), (12,)),
     m.Supervise: m.Supervise(0.5),
+    m.Detach: m.Detach(),
     m.Heartbeat: m.Heartbeat(3),
     m.Exit: m.Exit("the client hit an error"),
     m.Hello: m.Hello(2, "tok-123", "host-a", 4242, "cuda:1", "/tmp/worker2.log"),
@@ -60,6 +61,8 @@ FIELDS = {
     m.DefineRecording: ("recording", "commands", "formals", "results", "index", "total"),
     m.CallRecording: ("seq", "recording", "actuals", "results"),
     m.Supervise: ("heartbeat_interval",),
+    m.Detach: (),
+    m.TorchMeshArg: ("mesh",),
     m.Heartbeat: ("rank",),
     m.Hello: ("rank", "token", "hostname", "pid", "device", "log"),
     m.FetchResult: ("seq", "value", "error"),
@@ -85,7 +88,7 @@ def test_direction_tables_are_exactly_the_documented_records():
     assert m.CLIENT_TO_WORKER == (m.CallFunction, m.SendValue, m.Reduce, m.SendTensor, m.CreateGroups,
                                   m.DefineRecording, m.CallRecording, m.BorrowCreate, m.BorrowFirstUse,
                                   m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs, m.RequestStatus, m.CommandGroup,
-                                  m.Supervise, m.Exit)
+                                  m.Supervise, m.Detach, m.Exit)
     assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.Status)
     assert set(m.CLIENT_TO_WORKER).isdisjoint(m.WORKER_TO_CLIENT)
     assert set(SAMPLES) == set(m.CLIENT_TO_WORKER) | set(m.WORKER_TO_CLIENT)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from .. import messages as m
 from ..config import env_float, env_int, env_str
-from ..rendezvous import _scope, connect_store, read_controller
+from ..rendezvous import _scope, connect_store, read_controller, store_address
 from ..transport import ProtocolError, connect
 from .interpreter import Interpreter, ProtocolViolation
 
@@ -43,6 +44,7 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
     waiting in teardown."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
+    _leave_with_the_client()
     device = pick_device()
     backend = env_str("TDMESH_BACKEND", "") or ("nccl" if device.type == "cuda" else "gloo")
     store = connect_store()
@@ -62,6 +64,42 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
     if clean:
         dist.destroy_process_group()
     return code, clean
+
+
+def _leave_with_the_client() -> None:
+    """Under ``local_mesh`` the client process is this worker's parent.  Once connected, a
+    closed connection ends the worker; before that (connecting to the client's store, joining
+    the process group) nothing would, and the store connect retries for half an hour: a
+    client killed during startup would leave orphans.  So watch the parent from the start."""
+    if not os.environ.get("TDMESH_SCOPE"):
+        return  # under torchrun the elastic agent owns the worker's life
+    parent = os.getppid()
+
+    def leave() -> None:
+        log.error("rank %s: the client process is gone; leaving", os.environ.get("RANK"))
+        sys.stderr.flush()
+        os._exit(env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1))
+
+    if _store_refuses():  # the client (which hosts the store) died while this process was starting
+        leave()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                leave()
+
+    threading.Thread(target=watch, name="tdmesh-client-watch", daemon=True).start()
+
+
+def _store_refuses() -> bool:
+    try:
+        socket.create_connection(store_address(), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        pass  # unreachable for now: connect_store decides
+    return False
 
 
 def _serve_attached(rank: int, world_size: int, device: torch.device, store) -> tuple[int, bool]:

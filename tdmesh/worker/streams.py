@@ -25,7 +25,7 @@ class Stream:
         self.env: dict = {}
         self.device = device
         self.cuda = None
-        if device.type == "cuda" and torch.cuda.is_available():
+        if device.type == "cuda" and torch.cuda.is_available() and threaded:  # inline = unit tests
             self.cuda = torch.cuda.current_stream(device) if stream_id == 0 else torch.cuda.Stream(device)
         self._on_fatal = on_fatal
         self._queue: queue.SimpleQueue | None = None
