@@ -90,6 +90,7 @@ class Shape:
 
     @staticmethod
     def unity() -> "Shape":
+        """The shape of a single rank: no dims."""
         return Shape((), Slice(offset=0, sizes=[], strides=[]))
 
     def __len__(self) -> int:
@@ -111,9 +112,11 @@ class Shape:
         return math.prod(self._slice.sizes[self.dim(d)] for d in dims)
 
     def ranks(self) -> list[int]:
+        """Global ranks in row-major order of the coordinates."""
         return list(self._slice)
 
     def coordinates(self, rank: int) -> dict[str, int]:
+        """``{dim: coordinate}`` of ``rank``; ``ValueError`` if the shape does not hold it."""
         return dict(zip(self._labels, self._slice.coordinates(rank)))
 
     # -- selection ---------------------------------------------------------------------
