@@ -116,6 +116,7 @@ class MeshSliceTensor:
         self.mesh = mesh
 
     def to_mesh(self, mesh, stream=None) -> Tensor:
+        """Copy the sliced tensor to ``mesh`` (see :func:`to_mesh`)."""
         return _to_mesh(self.tensor, self.mesh, mesh, stream)
 
     def __repr__(self) -> str:

@@ -65,6 +65,7 @@ class Future:
         return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The error this future failed with, or None; ``TimeoutError`` if not done in time."""
         self._wait(timeout)
         return self._exception
 

@@ -80,6 +80,7 @@ class DeviceMesh:
         return self._derive(self._shape.split(**kw))
 
     def rename(self, /, **kw: str) -> "DeviceMesh":
+        """``rename(gpu="tp")``: new names, same ranks in the same order."""
         return self._derive(self._shape.rename(**kw))
 
     def flatten(self, name: str) -> "DeviceMesh":
@@ -87,6 +88,7 @@ class DeviceMesh:
         return self._derive(self._shape.flatten(name))
 
     def to_table(self) -> str:
+        """The rank grid as text: the last dim across, the others down."""
         return self._shape.to_table()
 
     # -- live: these talk to the fleet -------------------------------------------------------

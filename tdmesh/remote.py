@@ -270,6 +270,7 @@ class RemoteProcessGroup:
         self.ref = mesh.client.new_ref()
 
     def size(self) -> int:
+        """Members of each group: ``mesh.size(dims)``."""
         return self.mesh.size(self.dims)
 
     def _tdmesh_wire(self):

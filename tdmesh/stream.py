@@ -45,6 +45,7 @@ _active_stream: contextvars.ContextVar = contextvars.ContextVar("tdmesh_active_s
 
 
 def get_active_stream() -> Stream:
+    """The stream new work goes to (the default stream unless one is activated)."""
     return _active_stream.get()
 
 
