@@ -22,6 +22,18 @@ _LOCAL = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitw
           "sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum}
 
 
+_group_info: dict = {}
+
+
+def _info(group) -> tuple[str, int, int]:
+    """(backend, size, this rank's group rank), looked up once per group: the hot path of a
+    stream of small reduces should not walk torch.distributed's registries every time."""
+    info = _group_info.get(id(group))
+    if info is None:
+        info = _group_info[id(group)] = (dist.get_backend(group), dist.get_world_size(group), dist.get_rank(group))
+    return info
+
+
 def _value_or_zeros(env: dict, ref, factory, device) -> tuple[torch.Tensor, bool]:
     from .interpreter import Poison
     value = env.get(ref)
@@ -33,7 +45,7 @@ def _value_or_zeros(env: dict, ref, factory, device) -> tuple[torch.Tensor, bool
 
 def _all_reduce(y: torch.Tensor, reduction: str, group, n: int) -> None:
     """In place over ``group``; emulates what a backend lacks (gloo: avg; nccl: bitwise ops)."""
-    backend = dist.get_backend(group)
+    backend = _info(group)[0]
     if reduction == "avg" and backend == "gloo":
         dist.all_reduce(y, dist.ReduceOp.SUM, group=group)
         if y.is_floating_point() or y.is_complex():
@@ -62,7 +74,7 @@ def _all_gather(x: torch.Tensor, group, n: int) -> torch.Tensor:
 def reduce(interp, msg: m.Reduce, stream) -> None:
     env = stream.env
     group = interp.groups.dims(msg.stream, msg.mesh, msg.dims)
-    n = dist.get_world_size(group)
+    n = _info(group)[1]
     x, _ = _value_or_zeros(env, msg.tensor, msg.factory, interp.device)
     out = None
     if msg.out is not None:
@@ -86,7 +98,7 @@ def reduce(interp, msg: m.Reduce, stream) -> None:
     elif msg.scatter:
         full = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
         _all_reduce(full, msg.reduction, group, n)
-        part = full[dist.get_rank(group)]
+        part = full[_info(group)[2]]
         result = part.clone() if out is None else out.copy_(part)
     else:
         if msg.inplace:
