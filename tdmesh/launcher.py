@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 import sys
 import traceback
 import uuid
@@ -43,7 +45,8 @@ def describe_failures(processes, log_files: dict) -> str | None:
     if not result.is_failed():
         return "every worker exited"
     parts = []
-    for rank, f in sorted(result.failures.items()):
+    # the first failure is the cause; the launcher's own SIGTERMs to the survivors come later
+    for rank, f in sorted(result.failures.items(), key=lambda item: (item[1].timestamp, item[0])):
         how = f"killed by signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
         log = f", log {log_files[rank]}" if log_files.get(rank) else ""
         parts.append(f"worker rank {rank} (pid {f.pid}{log}) died: {how}")
@@ -87,9 +90,15 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
             env["TDMESH_LOG_FILE"] = os.path.join(log_dir, f"rank{rank}.log")
         envs[rank] = env
     specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL if log_dir else Std.NONE)
+    # torch elastic installs SIGINT/SIGTERM handlers in the calling process and never puts
+    # the user's back: keep Ctrl-C a KeyboardInterrupt for the client.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     processes = start_processes(name="tdmesh-worker", entrypoint=sys.executable,
                                 args={r: ("-m", "tdmesh.worker", "--serve") for r in range(world)},
                                 envs=envs, logs_specs=specs)
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     log_files = {}
     if log_dir:
         for rank in range(world):

@@ -274,7 +274,9 @@ def dispatch(func, args: tuple, kwargs: dict):
         mesh = remote[0]._mesh
         if name in _NEEDS_VALUE:
             return _value_on_client(func, args, kwargs, remote)
-    elif local and name in _NEEDS_VALUE:  # reading a local (e.g. fetched) value under a mesh
+    elif local and name not in ("aten::lift_fresh", "aten::lift"):
+        # only local tensors (a fetched value, say): the op is the client's own business.
+        # Mixing local and remote tensors is the error (below); torch.tensor(data) ships data.
         return func(*args, **kwargs)
     else:
         mesh = active_mesh_or_none()
