@@ -130,7 +130,7 @@ class Borrow:
         with client.lock:
             self.dropped = True
             self.first_use()
-            borrowed = list(self._borrowed_aliases.refs.values())
+            borrowed = self._borrowed_aliases.live()
             for r in borrowed:
                 r.dropped_at = site
             views = [r.id for r in borrowed if r.id != self.tensor.ref]

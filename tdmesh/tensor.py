@@ -65,13 +65,14 @@ class _Ref:
         self.mesh = mesh
         self.aliases = aliases
         self.dropped_at = None
-        aliases.refs[ref_id] = self
+        aliases.refs[ref_id] = weakref.ref(self)
         recorder = mesh.client.recorder
         if recorder is not None:  # tracing a compiled function: it may drop what it made
             recorder.created.append(weakref.ref(self))
 
     def __del__(self) -> None:
         try:
+            self.aliases.refs.pop(self.id, None)
             if self.dropped_at is None:
                 self.mesh.client.delete_ref(self.id, self.mesh)
         except Exception:  # interpreter shutdown
@@ -86,10 +87,14 @@ class _Aliases:
     __slots__ = ("refs", "read_borrows", "mutable_borrow", "borrow")
 
     def __init__(self) -> None:
-        self.refs: weakref.WeakValueDictionary[int, _Ref] = weakref.WeakValueDictionary()
+        self.refs: dict[int, weakref.ref] = {}  # ref id -> weakref to its _Ref (no cycle)
         self.read_borrows = 0
         self.mutable_borrow = None
         self.borrow = None
+
+    def live(self) -> list:
+        """The live _Refs of this storage."""
+        return [r for r in (w() for w in list(self.refs.values())) if r is not None]
 
 
 class Tensor(torch.Tensor):
@@ -159,7 +164,7 @@ class Tensor(torch.Tensor):
         if self._r.dropped_at is not None:
             return
         site = call_site()
-        refs = list(self._r.aliases.refs.values())
+        refs = self._r.aliases.live()
         for r in refs:
             r.dropped_at = site
         self._mesh.client.delete_refs([r.id for r in refs], self._mesh)
@@ -492,4 +497,11 @@ class _MeshMode(TorchDispatchMode):
         return dispatch(func, args, kwargs or {})
 
 
+def _mode_dispatch(self, func, types, args=(), kwargs=None):
+    return dispatch(func, args, kwargs or {})
+
+
+# torch wraps a mode's __torch_dispatch__ in a dynamo-disable shim (several microseconds per
+# op); tdmesh is never traced by dynamo, so the hot path calls the plain function.
+_MeshMode.__torch_dispatch__ = _mode_dispatch
 MESH_MODE = _MeshMode()
