@@ -13,6 +13,13 @@ import torch
 import tdmesh
 
 
+def checked_sqrt(t):
+    """Runs on the workers; raises there when the data is wrong."""
+    if (t < 0).any():
+        raise IndexError(f"checked_sqrt: {int((t < 0).sum())} negative entries")
+    return t.sqrt()
+
+
 def main(mesh: tdmesh.DeviceMesh) -> None:
     print(mesh)                                        # names, sizes and the rank grid
     with mesh.activate():                              # torch ops now run on every worker
@@ -28,8 +35,8 @@ def main(mesh: tdmesh.DeviceMesh) -> None:
         except RuntimeError as e:
             print("caught locally:", str(e).splitlines()[0])
 
-        # Errors only the data reveals fail the values that depend on them, nothing else.
-        bad = torch.ops.aten.index_select(x, 0, torch.tensor([5]))   # row 5 of a 2-row tensor
+        # Errors only the workers see fail the values that depend on them, nothing else.
+        bad = tdmesh.remote(checked_sqrt, propagate=lambda t: t)(x - 3)   # negative entries
         try:
             tdmesh.fetch_shard(bad + 1).result()
         except tdmesh.RemoteException as e:

@@ -24,9 +24,10 @@ def main(mesh: tdmesh.DeviceMesh) -> None:
         everywhere = x.reduce()                        # () = every dim
         gathered = x.reduce("gpu", "stack")            # [gpus, 3], in gpu order
         biggest = x.reduce("host", "max")
-        print("sum over gpu on host 1:", tdmesh.fetch_shard(per_host, host=1, gpu=0).result())
+        last_host = mesh.size("host") - 1
+        print(f"sum over gpu on host {last_host}:", tdmesh.fetch_shard(per_host, host=last_host, gpu=0).result())
         print("sum over all ranks    :", tdmesh.fetch_shard(everywhere).result())
-        print("stack over gpu        :\n", tdmesh.fetch_shard(gathered, host=1, gpu=0).result())
+        print("stack over gpu        :\n", tdmesh.fetch_shard(gathered, host=last_host, gpu=0).result())
         print("max over host         :", tdmesh.fetch_shard(biggest).result())
 
         # reduce-scatter: dim 0 (one row per gpu) is split over the gpu group
@@ -34,15 +35,16 @@ def main(mesh: tdmesh.DeviceMesh) -> None:
         mine = rows.reduce("gpu", "sum", scatter=True)
         print("reduce-scatter, gpu 1 :", tdmesh.fetch_shard(mine, host=0, gpu=1).result())
 
-        # move host 0's values to host 1 (dims matched by name), then compare
-        host0, host1 = mesh.slice(host=0), mesh.slice(host=1)
-        moved = x.slice_mesh(host=0).to_mesh(host1)
-        print("host 0's x, now on host 1:", tdmesh.fetch_shard(moved, gpu=0).result())
+        # move one host's (or, on a single host, one gpu's) values to another: dims matched by name
+        dim = "host" if mesh.size("host") > 1 else "gpu"
+        moved = x.slice_mesh(**{dim: 0}).to_mesh(mesh.slice(**{dim: 1}))
+        other = {d: 0 for d in mesh.names if d != dim}
+        print(f"{dim} 0's x, now on {dim} 1:", tdmesh.fetch_shard(moved, **other).result())
 
         # a real torch.distributed ProcessGroup inside a remote function
         pg = mesh.process_group("gpu")
         summed = tdmesh.remote(all_reduce, propagate=lambda t, group: t)(x.clone(), pg)
-        print("dist.all_reduce over gpu:", tdmesh.fetch_shard(summed, host=1, gpu=1).result())
+        print("dist.all_reduce over gpu:", tdmesh.fetch_shard(summed, host=last_host, gpu=1).result())
 
 
 def all_reduce(t, group):
