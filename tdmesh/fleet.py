@@ -175,6 +175,7 @@ class Fleet:
         self.store = store
         self.log_files = log_files or {}
         self.exited = False
+        self.clean_exit = True
 
     def drain(self, timeout: float = 60.0) -> None:
         """Wait until every op sent so far has run, so every remote error is known."""
@@ -188,9 +189,13 @@ class Fleet:
         client.pump(timeout, until=lambda: not len(client.history) or client.failure is not None)
 
     def exit(self, error: str | None = None, detach: bool = False) -> None:
-        """Stop the fleet (``detach``: release an attached fleet for the next client instead)."""
+        """Stop the fleet (``detach``: release an attached fleet for the next client instead).
+
+        After an error (the client raised, Ctrl-C) nobody waits long: workers get a few
+        seconds to leave before the launcher stops them."""
         if self.exited:
             return
+        self.clean_exit = error is None
         self.exited = True
         client = self.client
         unobserved = None
@@ -202,6 +207,7 @@ class Fleet:
                 if client.history.unobserved:
                     unobserved = next(iter(client.history.unobserved.values()))
             client.shutdown(error if error is not None else (str(unobserved) if unobserved else None),
+                            timeout=5.0 if error is not None else 30.0,
                             detach=detach and error is None)
         finally:
             self._stop_processes()
@@ -220,12 +226,16 @@ class Fleet:
             finally:
                 self.processes = None
             return
+        self._wait_for_processes(30.0 if self.clean_exit else 5.0)
+
+    def _wait_for_processes(self, seconds: float) -> None:
+        """Give workers ``seconds`` to exit on their own; then the launcher stops them."""
         try:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
                 result = self.processes.wait(timeout=0.1, period=0.02)
                 if result is not None:
                     break
         finally:
-            self.processes.close()
+            self.processes.close(timeout=30 if self.clean_exit else 5)
             self.processes = None

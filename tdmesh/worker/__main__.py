@@ -62,6 +62,11 @@ def main(argv=None) -> int:
         client = _start_client(args.script, args.script_args)
     try:
         code, clean = run_worker(attachable=not args.script and not args.serve)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the job: leave at once
+        if client is not None:
+            client.kill()
+        sys.stderr.flush()
+        os._exit(130)
     except BaseException:
         if client is not None:
             client.kill()
