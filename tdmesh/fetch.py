@@ -32,8 +32,9 @@ def _shard_rank(mesh, shard: dict | None, coords: dict) -> int:
     return mesh.shape.index(**shard).slice.offset
 
 
-def _send_value(mesh, function, args, kwargs, rank: int) -> Future:
-    """A SendValue to one rank, on the stream of the tensors it reads (else the active one)."""
+def _send_value(mesh, function, args, kwargs, rank: int | None) -> Future:
+    """A SendValue to one rank (``rank=None``: every rank of ``mesh``, gathered into a
+    ValueMesh), on the stream of the tensors it reads (else the active one)."""
     check_not_coalescing("fetching results")
     client = mesh.client
     flat, _ = tree_flatten((args, kwargs))
@@ -41,10 +42,12 @@ def _send_value(mesh, function, args, kwargs, rank: int) -> Future:
     stream = tensors[0].stream if tensors else get_active_stream()
     _, groups = prepare_call(flat, mesh, stream)
     fut = Future(client)
+    if rank is None:
+        fut.gather = mesh.shape
     with client.lock:
         seq = client.new_seq()
         client.send(mesh, m.SendValue(seq, (), function, sealed_args(args, kwargs), {}, stream.id, groups), seq,
-                    [t.ref for t in tensors], (), fut, ranks=(rank,), deletes_first=True)
+                    [t.ref for t in tensors], (), fut, ranks=None if rank is None else (rank,), deletes_first=True)
         client.request_status(seq)
         client.flush()
     return fut
@@ -52,21 +55,7 @@ def _send_value(mesh, function, args, kwargs, rank: int) -> Future:
 
 def _send_value_all(mesh, function, args, kwargs) -> Future:
     """A SendValue to every rank of ``mesh``; the future gathers a ValueMesh."""
-    check_not_coalescing("fetching results")
-    client = mesh.client
-    flat, _ = tree_flatten((args, kwargs))
-    tensors = [x for x in flat if type(x) is Tensor]
-    stream = tensors[0].stream if tensors else get_active_stream()
-    _, groups = prepare_call(flat, mesh, stream)
-    fut = Future(client)
-    fut.gather = mesh.shape
-    with client.lock:
-        seq = client.new_seq()
-        client.send(mesh, m.SendValue(seq, (), function, sealed_args(args, kwargs), {}, stream.id, groups), seq,
-                    [t.ref for t in tensors], (), fut, deletes_first=True)
-        client.request_status(seq)
-        client.flush()
-    return fut
+    return _send_value(mesh, function, args, kwargs, None)
 
 
 def fetch_shard(obj, shard: dict | None = None, **coords) -> Future:
