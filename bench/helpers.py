@@ -186,3 +186,40 @@ def raw_all_reduce_seconds(x, group, iters: int):
     if x.is_cuda:
         torch.cuda.synchronize()
     return torch.tensor(time.perf_counter() - start, dtype=torch.float64, device=x.device)
+
+
+# ---------------------------------------------------------------------------- CUDA graph exploration
+def graph_vs_eager(n: int, shape):
+    """On a CUDA worker: seconds for ``n`` dependent adds run eagerly vs captured once as a
+    CUDA graph and replayed (what replaying a compiled recording as a graph could give)."""
+    import torch
+    ones = torch.ones(shape, device="cuda")
+    static = torch.zeros(shape, device="cuda")
+
+    def loop(local):
+        for _ in range(n):
+            local = ones + local
+        return local
+
+    loop(static)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loop(static)
+    torch.cuda.synchronize()
+    eager = time.perf_counter() - t0
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        loop(static)  # warm-up on a side stream, as capture requires
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = loop(static)
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    replay = time.perf_counter() - t0
+    assert torch.equal(out, torch.full(shape, float(n), device="cuda"))
+    return torch.tensor([eager, replay], dtype=torch.float64, device="cuda")
