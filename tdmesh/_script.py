@@ -6,14 +6,19 @@ import runpy
 import sys
 import traceback
 
+from torch.distributed.elastic.multiprocessing.errors import record
 
+
+@record
 def main() -> int:
+    """Run the script; an exception it raises is re-raised after the fleet is down, so that
+    ``@record`` writes torchrun's error file and torchrun's summary names it as the root cause."""
     script, args = sys.argv[1], sys.argv[2:]
     from .launcher import _connect_world
     fleet = _connect_world()
     sys.argv = [script, *args]
     sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(script)))
-    code, error = 0, None
+    code, error, failure = 0, None, None
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
@@ -21,14 +26,15 @@ def main() -> int:
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
         error = None if code == 0 else f"the script exited with code {code}"
-    except BaseException as e:  # noqa: BLE001 - report once, then fail the job
-        traceback.print_exc()
-        code, error = 1, f"the script raised {type(e).__name__}: {e}"
+    except BaseException as e:  # noqa: BLE001 - shut the fleet down, then report once
+        code, error, failure = 1, f"the script raised {type(e).__name__}: {e}", e
     try:
         fleet.exit(error)
     except BaseException:  # an unobserved remote error
         traceback.print_exc()
         code = code or 1
+    if failure is not None:
+        raise failure
     return code
 
 

@@ -57,10 +57,14 @@ def test_script_exit_code_is_the_root_cause():
     assert "rank      : 0" in root and "exitcode  : 3" in root
 
 
-def test_script_that_raises_fails_the_job_and_shows_the_traceback_once():
+def test_script_that_raises_fails_the_job_and_is_torchruns_root_cause():
     out = run(TORCHRUN + ["--standalone", "--nproc_per_node", "2", "-m", "tdmesh.worker", SCRIPT, "raise"])
     assert out.returncode != 0
-    assert out.stderr.count("ValueError: the script failed on purpose") == 1
+    root = out.stderr.split("Root Cause", 1)[1]
+    assert "rank      : 0" in root and "ValueError: the script failed on purpose" in root
+    assert "torchrun_job.py" in root and "error_file: <N/A>" not in root
+    # once as the script's own traceback, once in torchrun's summary: never per worker
+    assert out.stderr.count("ValueError: the script failed on purpose") == 2
     assert "last rank value [2.0, 2.0]" in out.stdout
 
 
