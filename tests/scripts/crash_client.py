@@ -19,6 +19,10 @@ import torch
 
 import tdmesh
 
+# A shell runs background jobs with SIGINT ignored, and Python then never installs its
+# KeyboardInterrupt handler; this script models an interactive client, so take Ctrl-C back.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 mode = sys.argv[1] if len(sys.argv) > 1 else "kill"
 
 
