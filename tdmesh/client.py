@@ -25,7 +25,7 @@ from .controller import History
 from .errors import DeviceException
 from .future import Future
 from .supervisor import FleetFailure, Supervisor
-from .tensor import call_site, frames
+from .tensor import call_site, frames, site_text
 from .transport import Connection, ProtocolError, encode
 
 log = logging.getLogger("tdmesh")
@@ -317,10 +317,7 @@ class Client:
 
     def site_of(self, seq: int) -> str:
         node = self.history._by_seq.get(seq)
-        if node is None or not node.site:
-            return "<unknown>"
-        filename, lineno, name = node.site[0]
-        return f'File "{filename}", line {lineno}, in {name}'
+        return site_text(node.site if node is not None else None)
 
     def fail_from_supervisor(self, exc: DeviceException) -> None:
         """From the supervisor thread: the fleet is broken; wake whoever waits."""

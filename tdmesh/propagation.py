@@ -89,8 +89,8 @@ _cache: dict = {}
 stats = {"hits": 0, "misses": 0}
 
 
-def propagate(func, args: tuple, kwargs: dict, leaf_metas: dict, key) -> Propagated:
-    """Run ``func`` on meta stand-ins; ``leaf_metas`` maps id(proxy) to its TensorMeta;
+def propagate(func, args: tuple, kwargs: dict, remote: list, key) -> Propagated:
+    """Run ``func`` on meta stand-ins for the ``remote`` proxies among its arguments;
     ``key`` describes the arguments' structure, metadata and values (for the cache)."""
     try:
         key = (func, key)
@@ -101,7 +101,7 @@ def propagate(func, args: tuple, kwargs: dict, leaf_metas: dict, key) -> Propaga
         stats["hits"] += 1
         return hit
     stats["misses"] += 1
-    out = _run_on_meta(func, args, kwargs, leaf_metas)
+    out = _run_on_meta(func, args, kwargs, {id(x): x._meta for x in remote})
     flat, out_spec = tree_flatten(out)
     leaves = tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else ("value", x) for x in flat)
     result = Propagated(out_spec, leaves, out_spec.is_leaf() and isinstance(out, torch.Tensor))

@@ -68,7 +68,7 @@ class Borrow:
     """A tensor lent to another stream; ``drop()`` (or leaving ``with borrow:``) gives it back."""
 
     def __init__(self, origin, stream: Stream, mutable: bool) -> None:
-        from .tensor import Tensor, _Aliases, _raise, call_site, user_line
+        from .tensor import Tensor, _Aliases, _raise, call_site, site_text, user_line
         if type(origin) is not Tensor:
             raise TypeError(f"only tdmesh tensors can be borrowed, got {type(origin).__name__}\n  at {user_line()}")
         if origin.dropped:
@@ -78,7 +78,7 @@ class Borrow:
         aliases = origin._r.aliases
         if aliases.mutable_borrow is not None:
             _raise(TypeError(f"BORROWED: tensor {origin.ref} is mutably borrowed (at "
-                             f"{_where(aliases.mutable_borrow.site)}) and cannot be borrowed again\n  at {user_line()}"))
+                             f"{site_text(aliases.mutable_borrow.site)}) and cannot be borrowed again\n  at {user_line()}"))
         if aliases.borrow is not None and not aliases.borrow.mutable and mutable:
             _raise(TypeError(f"MUTATING_BORROW: tensor {origin.ref} is itself a read-only borrow and cannot be "
                              f"borrowed mutably\n  at {user_line()}"))
@@ -162,9 +162,3 @@ class Borrow:
             except Exception:
                 pass
 
-
-def _where(site) -> str:
-    if not site:
-        return "<unknown>"
-    filename, lineno, name = site[0]
-    return f'File "{filename}", line {lineno}, in {name}'

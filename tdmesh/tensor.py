@@ -44,12 +44,16 @@ def call_site() -> list:
     return site
 
 
-def user_line() -> str:
-    site = call_site()
+def site_text(site) -> str:
+    """The innermost user frame of a captured call site, as a traceback line."""
     if not site:
         return "<unknown>"
     filename, lineno, name = site[0]
     return f'File "{filename}", line {lineno}, in {name}'
+
+
+def user_line() -> str:
+    return site_text(call_site())
 
 
 def frames(site) -> list[traceback.FrameSummary]:
@@ -327,7 +331,7 @@ def check_inputs(remote: list, mesh, what, stream=None) -> None:
         aliases = r.aliases
         if aliases.mutable_borrow is not None:
             _raise(TypeError(f"BORROWED: tensor {r.id} is mutably borrowed by {aliases.mutable_borrow.stream!r} "
-                             f"(at {_site_text(aliases.mutable_borrow.site)}); drop the borrow before using it"
+                             f"(at {site_text(aliases.mutable_borrow.site)}); drop the borrow before using it"
                              f"\n  at {user_line()}"))
         if aliases.borrow is not None and not aliases.borrow.first_use_sent:
             aliases.borrow.first_use()
@@ -340,14 +344,7 @@ def check_mutation(t, what) -> None:
                          f"read-only; drop the borrow first\n  at {user_line()}"))
     if aliases.borrow is not None and not aliases.borrow.mutable:
         _raise(TypeError(f"MUTATING_BORROW: tensor {t._r.id} is a read-only borrow (made at "
-                         f"{_site_text(aliases.borrow.site)}) and would be mutated by {what}\n  at {user_line()}"))
-
-
-def _site_text(site) -> str:
-    if not site:
-        return "<unknown>"
-    filename, lineno, name = site[0]
-    return f'File "{filename}", line {lineno}, in {name}'
+                         f"{site_text(aliases.borrow.site)}) and would be mutated by {what}\n  at {user_line()}"))
 
 
 def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
@@ -362,7 +359,7 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
             if device.type == client.device.type:  # "cuda" means the worker's own GPU: one index
                 device = client.device
     try:
-        out = propagate(func, args, kwargs, {id(x): x._meta for x in remote}, key)
+        out = propagate(func, args, kwargs, remote, key)
     except Exception as e:
         # Errors that metadata reveals are the user's, raised at their line as local torch would.
         raise type(e)(f"{e}\n  (tdmesh: raised while checking {func} on the client, before anything was sent)"
