@@ -210,7 +210,9 @@ class Client:
                     try:
                         self.conns[rank].send_payload(payload)
                     except OSError as e:
-                        self._lost(rank, f"sending to it failed: {e}")
+                        # A dead process shows first as a broken pipe; the launcher's exit code
+                        # or signal, when it comes within a moment, says more.
+                        self._lost(rank, self._exit_reason(rank) or f"sending to it failed: {e}")
 
     def _flush_loop(self) -> None:
         while not self.closed:
