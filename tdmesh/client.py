@@ -57,7 +57,7 @@ class Client:
         self._buffered_bytes = 0
         self._last_flush = time.monotonic()
         self._deletes: dict[object, tuple] = {}   # ranks slice -> (mesh, [refs])
-        self._groups: set = set()                 # CreateGroups keys already sent
+        self._groups: dict = {}                   # CreateGroups key -> id, for keys already sent
         self.recorder = None                      # set while a compiled function is traced
         self.history = History(self.ranks)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -161,14 +161,18 @@ class Client:
     def send_all(self, msg, setup: bool = False) -> None:
         self.send(None, msg, ranks=self.ranks, setup=setup)
 
-    def ensure_groups(self, msg: m.CreateGroups) -> None:
-        """Have every rank create the process groups of ``msg``, once per key."""
-        key = (msg.kind, msg.stream, msg.mesh, msg.dims, msg.ref, msg.to_stream)
-        if key not in self._groups:
+    def ensure_groups(self, kind: str, stream: int, mesh=None, dims: tuple = (), ref=None,
+                      to_stream=None) -> int:
+        """Have every rank create the process groups of this key, once; returns the key's id."""
+        key = (kind, stream, mesh, dims, ref, to_stream)
+        found = self._groups.get(key)
+        if found is None:
             with self.lock:
-                if key not in self._groups:
-                    self._groups.add(key)
-                    self.send_all(msg, setup=True)
+                found = self._groups.get(key)
+                if found is None:
+                    found = self._groups[key] = len(self._groups) + 1
+                    self.send_all(m.CreateGroups(kind, stream, mesh, dims, ref, to_stream, found), setup=True)
+        return found
 
     def delete_ref(self, ref: int, mesh) -> None:
         """Called when a proxy dies (any thread): batched into the next flush."""

@@ -8,6 +8,7 @@ is a point-to-point copy matched by dim name, broadcast over dims only the desti
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
@@ -31,53 +32,74 @@ def _contiguous_meta(shape, dtype) -> TensorMeta:
     return TensorMeta(tuple(shape), tuple(reversed(strides)), 0, dtype)
 
 
-def _reduce(t, dims, reduction: str, scatter: bool, mesh, inplace: bool, out):
-    if type(t) is not Tensor:
-        raise TypeError(f"reduce needs a tdmesh tensor, got {type(t).__name__}\n  at {user_line()}")
-    if mesh is not None:
-        raise NotImplementedError("reduce(mesh=...) is not supported; reduce on the tensor's own mesh")
+class _ReducePlan(NamedTuple):
+    """What a reduce of one (mesh, dims, reduction, scatter, input shape) needs: checked once."""
+    dims: tuple
+    out_shape: tuple
+    factory: tuple
+
+
+_plans: dict = {}
+
+
+def _plan(t, dims, reduction: str, scatter: bool, inplace: bool) -> _ReducePlan:
+    key = (t.mesh.shape, dims, reduction, scatter, inplace, t.shape, t.dtype)
+    try:
+        return _plans[key]
+    except (KeyError, TypeError):  # TypeError: unhashable dims, checked (and refused) below
+        pass
     if reduction not in REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; choose one of {list(REDUCTIONS)}")
     shape = t.mesh.shape
-    if isinstance(dims, str):
-        dims = (dims,)
-    dims = normalize_dims(shape, dims)
-    n = shape.size(dims)
-    if (reduction == "stack" or scatter) and len(dims) > 1:
+    named = normalize_dims(shape, (dims,) if isinstance(dims, str) else dims)
+    n = shape.size(named)
+    if (reduction == "stack" or scatter) and len(named) > 1:
         what = "stack" if reduction == "stack" else "scatter"
-        raise ValueError(f"reduce with {what} over dims {list(dims)} is not valid for multiple dimensions; "
+        raise ValueError(f"reduce with {what} over dims {list(named)} is not valid for multiple dimensions; "
                          f"reduce over one dim at a time")
     if scatter and (t.dim() == 0 or t.shape[0] != n):
-        raise TypeError(f"When scattering over {list(dims)} (size {n}), dim 0 of the tensor must be {n}, "
+        raise TypeError(f"When scattering over {list(named)} (size {n}), dim 0 of the tensor must be {n}, "
                         f"got shape {list(t.shape)}")
     if inplace and scatter and reduction != "stack":
         raise ValueError("reduce_ cannot scatter: the output has another shape than the input; use reduce(...)")
     if inplace and reduction == "stack" and not scatter:
         raise ValueError("reduce_ cannot stack: the output has another shape than the input; use reduce(...)")
-    if t.requires_grad and torch.is_grad_enabled():
-        _raise(TypeError(f"REQUIRES_GRAD: reduce of tensor {t.ref}, which requires grad, is not differentiable; "
-                         f"reduce its .detach() or under torch.no_grad()\n  at {user_line()}"))
     if reduction == "stack" and not scatter:
         out_shape = (n, *t.shape)
     elif scatter and reduction != "stack":
         out_shape = tuple(t.shape[1:])
     else:
         out_shape = tuple(t.shape)
+    plan = _ReducePlan(named, out_shape, (tuple(t.shape), str(t.dtype).split(".")[1]))
+    if len(_plans) > 4096:  # shapes of a long-running program are few; a program that varies them is not
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
+def _reduce(t, dims, reduction: str, scatter: bool, mesh, inplace: bool, out):
+    if type(t) is not Tensor:
+        raise TypeError(f"reduce needs a tdmesh tensor, got {type(t).__name__}\n  at {user_line()}")
+    if mesh is not None:
+        raise NotImplementedError("reduce(mesh=...) is not supported; reduce on the tensor's own mesh")
+    plan = _plan(t, dims, reduction, scatter, inplace)
+    if t.requires_grad and torch.is_grad_enabled():
+        _raise(TypeError(f"REQUIRES_GRAD: reduce of tensor {t.ref}, which requires grad, is not differentiable; "
+                         f"reduce its .detach() or under torch.no_grad()\n  at {user_line()}"))
     stream = get_active_stream()
     inputs = [t] if out is None else [t, out]
     check_inputs(inputs, t.mesh, "reduce", stream)
     if out is not None:
         if type(out) is not Tensor:
             raise TypeError(f"out must be a tdmesh tensor on the same mesh, got {type(out).__name__}")
-        if tuple(out.shape) != out_shape or out.dtype != t.dtype:
+        if tuple(out.shape) != plan.out_shape or out.dtype != t.dtype:
             raise ValueError(f"out has shape {list(out.shape)} ({out.dtype}); Reduce expects the shape to be "
-                             f"torch.Size({list(out_shape)}) ({t.dtype})")
+                             f"torch.Size({list(plan.out_shape)}) ({t.dtype})")
         check_mutation(out, "reduce(out=...)")
     if inplace:
         check_mutation(t, "reduce_")
     client = t.mesh.client
-    client.ensure_groups(m.CreateGroups("dims", stream.id, shape, dims))
-    factory = (tuple(t.shape), str(t.dtype).split(".")[1])
+    group = client.ensure_groups("dims", stream.id, t.mesh.shape, plan.dims)
     with client.lock:
         if inplace:
             result, result_ref, defs = t, None, list(t._r.aliases.refs)
@@ -85,10 +107,11 @@ def _reduce(t, dims, reduction: str, scatter: bool, mesh, inplace: bool, out):
             result, result_ref, defs = out, None, list(out._r.aliases.refs)
         else:
             result_ref = client.new_ref()
-            result = Tensor(_contiguous_meta(out_shape, t.dtype), t.device, t.mesh, result_ref, _Aliases(), stream)
+            result = Tensor(_contiguous_meta(plan.out_shape, t.dtype), t.device, t.mesh, result_ref, _Aliases(),
+                            stream)
             defs = [result_ref]
         seq = client.new_seq()
-        msg = m.Reduce(seq, result_ref, t.ref, factory, shape, dims, reduction, scatter, inplace,
+        msg = m.Reduce(seq, result_ref, t.ref, plan.factory, group, reduction, scatter, inplace,
                        out.ref if out is not None else None, stream.id)
         client.send(t.mesh, msg, seq, [x.ref for x in inputs], defs)
     return result
@@ -136,7 +159,7 @@ def _to_mesh(t: Tensor, source, dest, stream=None) -> Tensor:
     from_stream = t.stream
     to_stream = stream if stream is not None else from_stream
     check_inputs([t], t.mesh, "to_mesh", from_stream)
-    client.ensure_groups(m.CreateGroups("p2p", from_stream.id, to_stream=to_stream.id))
+    client.ensure_groups("p2p", from_stream.id, to_stream=to_stream.id)
     factory = (tuple(t.shape), str(t.dtype).split(".")[1])
     with client.lock:
         ref = client.new_ref()

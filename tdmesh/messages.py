@@ -46,8 +46,7 @@ class Reduce(NamedTuple):
     result: Optional[int]     # the output ref, or None when the output is ``out``/the input itself
     tensor: int
     factory: tuple            # (shape, dtype name) of the input, for zeros when it is poisoned
-    mesh: Any                 # Shape of the tensor's mesh
-    dims: tuple               # in mesh order
+    group: int                # the CreateGroups id of (stream, mesh, dims): ints pickle fast
     reduction: str            # sum avg product min max band bor bxor stack
     scatter: bool
     inplace: bool
@@ -82,6 +81,7 @@ class CreateGroups(NamedTuple):
     dims: tuple = ()
     ref: Optional[int] = None
     to_stream: Optional[int] = None
+    id: int = 0               # the client's number for this key; hot messages name groups by it
 
 
 class DefineRecording(NamedTuple):

@@ -131,11 +131,11 @@ def prepare_call(flat, mesh, stream) -> tuple:
         if isinstance(x, RemoteProcessGroup):
             if x.mesh.client is not mesh.client:
                 raise TypeError(f"{x!r} belongs to another fleet than the mesh this call runs on\n  at {user_line()}")
-            mesh.client.ensure_groups(m.CreateGroups("remote", stream.id, x.mesh.shape, x.dims, x.ref))
+            mesh.client.ensure_groups("remote", stream.id, x.mesh.shape, x.dims, x.ref)
             groups.append(x._tdmesh_wire())
         elif isinstance(x, TorchMeshHandle):
             for d in x.mesh.names:
-                mesh.client.ensure_groups(m.CreateGroups("dims", stream.id, x.mesh.shape, (d,)))
+                mesh.client.ensure_groups("dims", stream.id, x.mesh.shape, (d,))
     return remote_args, tuple(groups)
 
 

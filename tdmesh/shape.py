@@ -40,7 +40,7 @@ def _unknown(dim, labels) -> UnknownDimError:
 class Shape:
     """An immutable ``(labels, slice)`` pair; one label per dim of the slice."""
 
-    __slots__ = ("_labels", "_slice")
+    __slots__ = ("_labels", "_slice", "_hash")
 
     def __init__(self, labels: Sequence[str], slice: Slice) -> None:
         labels = tuple(labels)
@@ -55,6 +55,8 @@ class Shape:
             raise ValueError(f"duplicate dim names in {list(labels)}")
         object.__setattr__(self, "_labels", labels)
         object.__setattr__(self, "_slice", slice)
+        # computed once: shapes key the client's per-op caches (groups, reduce plans)
+        object.__setattr__(self, "_hash", hash((Shape, labels, slice)))
 
     def __setattr__(self, name, value):
         raise AttributeError(f"Shape is immutable; cannot set {name!r}")
@@ -68,7 +70,7 @@ class Shape:
         return self._labels == other._labels and self._slice == other._slice
 
     def __hash__(self) -> int:
-        return hash((Shape, self._labels, self._slice))
+        return self._hash
 
     def __str__(self) -> str:
         return "{" + ", ".join(f"{n}={s}" for n, s in zip(self._labels, self._slice.sizes)) + "}"

@@ -66,7 +66,7 @@ def _as_int(name: str, value) -> int:
 class Slice:
     """An immutable, hashable, picklable set of ranks laid out as a strided grid."""
 
-    __slots__ = ("_offset", "_sizes", "_strides", "_len")
+    __slots__ = ("_offset", "_sizes", "_strides", "_len", "_hash")
 
     def __init__(self, *, offset: int, sizes: Sequence[int], strides: Sequence[int]) -> None:
         offset = _as_int("offset", offset)
@@ -77,6 +77,7 @@ class Slice:
         object.__setattr__(self, "_sizes", sizes)
         object.__setattr__(self, "_strides", strides)
         object.__setattr__(self, "_len", math.prod(sizes))
+        object.__setattr__(self, "_hash", hash((Slice, offset, sizes, strides)))
 
     # -- value semantics -------------------------------------------------------------
     def __setattr__(self, name, value):
@@ -95,7 +96,7 @@ class Slice:
             other._offset, other._sizes, other._strides)
 
     def __hash__(self) -> int:
-        return hash((Slice, self._offset, self._sizes, self._strides))
+        return self._hash
 
     def __repr__(self) -> str:
         return (f"Slice(offset={self._offset}, sizes={list(self._sizes)}, "

@@ -32,6 +32,18 @@ _SKIP = (_TDMESH_DIR, _TORCH_DIR, "<frozen", os.path.dirname(os.__file__) + os.s
 _NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item"}
 
 
+_collectives_module = None
+
+
+def _collectives():
+    """tdmesh.collectives, imported on first use (it imports this module) and kept."""
+    global _collectives_module
+    if _collectives_module is None:
+        from . import collectives
+        _collectives_module = collectives
+    return _collectives_module
+
+
 def call_site() -> list:
     """(filename, lineno, name) of the user's innermost frames: cheap enough for every op."""
     frame = sys._getframe(1)
@@ -145,13 +157,11 @@ class Tensor(torch.Tensor):
                out=None):
         """Reduce over mesh ``dims`` (``()`` = every dim): ``sum avg product min max band bor bxor``
         or ``stack`` (a leading dim of the group size); ``scatter`` splits dim 0 over the group."""
-        from .collectives import _reduce
-        return _reduce(self, dims, reduction, scatter, mesh, _inplace, out)
+        return _collectives()._reduce(self, dims, reduction, scatter, mesh, _inplace, out)
 
     def reduce_(self, dims=(), reduction: str = "sum", scatter: bool = False, mesh=None):
         """In-place :meth:`reduce`."""
-        from .collectives import _reduce
-        return _reduce(self, dims, reduction, scatter, mesh, True, None)
+        return _collectives()._reduce(self, dims, reduction, scatter, mesh, True, None)
 
     def to_mesh(self, mesh, stream=None):
         """A copy of this tensor on ``mesh`` (dims matched by name, broadcast over new dims)."""

@@ -19,7 +19,7 @@ SAMPLES = {
                                    {"alpha": 2}, stream=1, process_groups=(m.ProcessGroupArg(9, HG, ("gpu",)),)),
     m.SendValue: m.SendValue(7, (8,), b"\x80\x05pickled-callable", (m.Ref(8), m.MeshArg(HG)), {"k": (1, 2)},
                              stream=2, process_groups=()),
-    m.Reduce: m.Reduce(8, 20, 4, ((2, 3), "float32"), HG, ("host", "gpu"), "sum", True, False, None, stream=1),
+    m.Reduce: m.Reduce(8, 20, 4, ((2, 3), "float32"), 3, "sum", True, False, None, stream=1),
     m.SendTensor: m.SendTensor(9, 21, Slice(offset=0, sizes=(2,), strides=(1,)), Slice(offset=2, sizes=(2,), strides=(1,)), 4, ((3,), "int64"), 0, 1),
     m.CreateGroups: m.CreateGroups("remote", 1, HG, ("gpu",), 30, 2),
     m.BorrowCreate: m.BorrowCreate(22, 1, 4, 0, 1),
@@ -46,10 +46,9 @@ FIELDS = {
     m.Ref: ("id",),
     m.CallFunction: ("seq", "results", "mutates", "function", "args", "kwargs", "stream", "process_groups"),
     m.SendValue: ("seq", "mutates", "function", "args", "kwargs", "stream", "process_groups"),
-    m.Reduce: ("seq", "result", "tensor", "factory", "mesh", "dims", "reduction", "scatter", "inplace", "out",
-               "stream"),
+    m.Reduce: ("seq", "result", "tensor", "factory", "group", "reduction", "scatter", "inplace", "out", "stream"),
     m.SendTensor: ("seq", "result", "from_ranks", "to_ranks", "tensor", "factory", "from_stream", "to_stream"),
-    m.CreateGroups: ("kind", "stream", "mesh", "dims", "ref", "to_stream"),
+    m.CreateGroups: ("kind", "stream", "mesh", "dims", "ref", "to_stream", "id"),
     m.BorrowCreate: ("result", "borrow", "tensor", "from_stream", "to_stream"),
     m.BorrowFirstUse: ("borrow",),
     m.BorrowLastUse: ("borrow",),
@@ -78,7 +77,7 @@ DEFAULTS = {
     m.CallFunction: {"stream": 0, "process_groups": ()},
     m.SendValue: {"stream": 0, "process_groups": ()},
     m.Reduce: {"stream": 0},
-    m.CreateGroups: {"mesh": None, "dims": (), "ref": None, "to_stream": None},
+    m.CreateGroups: {"mesh": None, "dims": (), "ref": None, "to_stream": None, "id": 0},
     m.Exit: {"error": None},
     m.FetchResult: {"error": None},
 }
@@ -124,7 +123,7 @@ def test_nested_records_keep_their_types():
     back = pickle.loads(pickle.dumps(SAMPLES[m.CallFunction]))
     assert type(back.process_groups[0]) is m.ProcessGroupArg and back.process_groups[0].mesh == HG
     assert type(back.args[3]) is m.ProcessGroupArg
-    back = pickle.loads(pickle.dumps(SAMPLES[m.Reduce]))
+    back = pickle.loads(pickle.dumps(SAMPLES[m.CreateGroups]))
     assert back.mesh == HG and back.mesh.labels == ("host", "gpu")
     back = pickle.loads(pickle.dumps(SAMPLES[m.SendTensor]))
     assert back.from_ranks == Slice(offset=0, sizes=(2,), strides=(1,)) and back.to_ranks == Slice(offset=2, sizes=(2,), strides=(1,))
@@ -143,8 +142,8 @@ def test_defaults_apply_when_omitted():
     assert m.FetchResult(1, b"x").error is None
     assert m.CallFunction(0, (1,), (), "f", (), {}).stream == 0
     assert m.SendValue(0, (), None, (m.Ref(1),), {}).stream == 0
-    assert m.CreateGroups("dims", 0) == ("dims", 0, None, (), None, None)
-    assert m.Reduce(0, None, 1, ((2,), "float32"), HG, ("gpu",), "sum", False, True, None).stream == 0
+    assert m.CreateGroups("dims", 0) == ("dims", 0, None, (), None, None, 0)
+    assert m.Reduce(0, None, 1, ((2,), "float32"), 1, "sum", False, True, None).stream == 0
     with pytest.raises(TypeError):
         m.Status(0)  # both fields are required
 

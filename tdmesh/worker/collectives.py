@@ -35,9 +35,8 @@ def _info(group) -> tuple[str, int, int]:
 
 
 def _value_or_zeros(env: dict, ref, factory, device) -> tuple[torch.Tensor, bool]:
-    from .interpreter import Poison
     value = env.get(ref)
-    if value is None or type(value) is Poison:
+    if not isinstance(value, torch.Tensor):  # missing, or a Poison: the failure is already known
         shape, dtype = factory
         return torch.zeros(shape, dtype=getattr(torch, dtype), device=device), True
     return value, False
@@ -60,7 +59,21 @@ def _all_reduce(y: torch.Tensor, reduction: str, group, n: int) -> None:
             acc = _LOCAL[reduction](acc, parts[i])
         y.copy_(acc)
         return
-    dist.all_reduce(y, _OPS[reduction], group=group)
+    if y.is_complex():
+        dist.all_reduce(y, _OPS[reduction], group=group)  # torch views complex as real pairs
+        return
+    # What dist.all_reduce does after its checks (this rank is a member; y is one dense
+    # tensor): its Python wrapper costs as much as a small NCCL all-reduce itself.
+    group.allreduce([y], _OPTIONS[reduction]).wait()
+
+
+def _options(op) -> "dist.AllreduceOptions":
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return opts
+
+
+_OPTIONS = {name: _options(op) for name, op in _OPS.items()}
 
 
 def _all_gather(x: torch.Tensor, group, n: int) -> torch.Tensor:
@@ -73,7 +86,7 @@ def _all_gather(x: torch.Tensor, group, n: int) -> torch.Tensor:
 
 def reduce(interp, msg: m.Reduce, stream) -> None:
     env = stream.env
-    group = interp.groups.dims(msg.stream, msg.mesh, msg.dims)
+    group = interp.groups.by_id(msg.group)
     n = _info(group)[1]
     x, _ = _value_or_zeros(env, msg.tensor, msg.factory, interp.device)
     out = None

@@ -29,6 +29,7 @@ class Groups:
         self.rank = rank
         self.world_size = world_size
         self._groups: dict = {}
+        self._by_id: dict = {}     # CreateGroups.id -> this rank's group, for hot messages
         self.created = 0
 
     @staticmethod
@@ -55,8 +56,17 @@ class Groups:
             if self.rank in members:
                 mine = group
         self._groups[key] = mine  # None where this rank is outside the mesh
+        self._by_id[msg.id] = mine
         self.created += len(member_lists)
         log.debug("rank %d created %d groups for %s", self.rank, len(member_lists), key)
+
+    def by_id(self, group_id: int):
+        group = self._by_id.get(group_id)
+        if group is None:
+            if group_id in self._by_id:
+                raise RuntimeError(f"rank {self.rank} is not a member of process groups {group_id}")
+            raise RuntimeError(f"rank {self.rank} has no process groups {group_id}: the client did not create them")
+        return group
 
     def dims(self, stream: int, mesh, dims: tuple):
         return self._lookup(("dims", stream, mesh, dims))
