@@ -1,3 +1,6 @@
+import os
+import re
+
 import pytest
 import torch
 
@@ -15,13 +18,42 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def mesh2x2():
-    """Four CPU workers over gloo, dims host=2 x gpu=2, shared by the engine tests."""
+    """Four workers (CPU over gloo here), dims host=2 x gpu=2, shared by the engine tests."""
     with tdmesh.local_mesh(hosts=2, gpus_per_host=2) as mesh:
         yield mesh
 
 
 @pytest.fixture(scope="session")
 def mesh1():
-    """One CPU worker."""
+    """One worker (CPU here; cuda:0 where local_mesh finds a GPU)."""
     with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh:
+        yield mesh
+
+
+def requested_mesh_shape() -> tuple[int, int]:
+    """``(hosts, gpus_per_host)`` from ``TDMESH_TEST_MESH=HOSTSxGPUS`` (default ``2x2``)."""
+    spec = os.environ.get("TDMESH_TEST_MESH", "2x2")
+    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", spec)
+    if not match or min(int(match[1]), int(match[2])) < 1:
+        raise ValueError(f"TDMESH_TEST_MESH={spec!r}: expected HOSTSxGPUS with both >= 1, e.g. 1x2 or 2x1")
+    return int(match[1]), int(match[2])
+
+
+@pytest.fixture(scope="session")
+def cmesh(request):
+    """The mesh of tests/test_collectives.py and tests/test_streams.py: dims host x gpu, of the
+    shape ``TDMESH_TEST_MESH=HOSTSxGPUS`` names (default 2x2), on the device local_mesh picks
+    (CUDA/NCCL, one GPU per worker, where CUDA is present unless ``TDMESH_DEVICE=cpu``; else
+    CPU/gloo).  2x2 is the very ``local_mesh`` call of ``mesh2x2``: that fleet is shared
+    rather than a second one started."""
+    hosts, gpus = requested_mesh_shape()
+    cuda = torch.cuda.is_available() and os.environ.get("TDMESH_DEVICE") != "cpu"
+    if cuda and hosts * gpus > torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        pytest.fail(f"TDMESH_TEST_MESH={hosts}x{gpus} needs {hosts * gpus} GPUs and this host has {n}: "
+                    f"set TDMESH_TEST_MESH to a smaller shape (e.g. 1x{n}) or TDMESH_DEVICE=cpu", pytrace=False)
+    if (hosts, gpus) == (2, 2):
+        yield request.getfixturevalue("mesh2x2")
+        return
+    with tdmesh.local_mesh(hosts=hosts, gpus_per_host=gpus) as mesh:
         yield mesh

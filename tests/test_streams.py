@@ -1,7 +1,17 @@
-"""Streams and borrows, end to end on real workers (CPU).
+"""Streams and borrows, end to end on real workers.
 
 A worker runs each stream on its own thread, so work on two streams really overlaps; a
 tensor crosses streams only through a borrow, whose rules are checked on the client.
+
+Most tests need one worker (``mesh1``: a CPU worker here, cuda:0 wherever local_mesh finds
+CUDA); the collectives test runs on the ``cmesh`` fixture (tests/conftest.py), whose shape
+``TDMESH_TEST_MESH=HOSTSxGPUS`` picks (default 2x2, the CPU/gloo mesh shared with the engine
+tests).  On a 2-GPU host
+
+    TDMESH_TEST_MESH=1x2 python -m pytest -q tests/test_collectives.py tests/test_streams.py
+
+runs the suite on CUDA tensors over NCCL (``TDMESH_DEVICE=cpu`` keeps it on CPU).  Remote
+functions here create no tensors of their own, so they run on either device.
 """
 
 import threading
@@ -11,6 +21,11 @@ import torch
 
 import tdmesh
 from tdmesh import Stream, fetch_shard, inspect, remote
+
+try:
+    from ._meshcase import coords, members, rank_of
+except ImportError:  # tests/ is not a package: pytest puts it on sys.path
+    from _meshcase import coords, members, rank_of
 
 # A worker process imports this module to run the functions below, so this dict is shared
 # by every stream thread of one worker.
@@ -309,20 +324,22 @@ def test_borrow_sees_earlier_writes_and_orders_later_ones(mesh1):
     assert torch.equal(got, torch.full((1000,), 160.0))
 
 
-def test_collectives_on_two_streams_of_the_full_mesh(mesh2x2):
+def test_collectives_on_two_streams_of_the_full_mesh(cmesh):
     """A reduce on another stream uses its own communicators: it neither waits behind nor
     mixes with the main stream's reduces."""
     other = Stream("comms")
-    with mesh2x2.activate():
-        v = torch.ones(2) * (mesh2x2.process_idx() + 1)
+    with cmesh.activate():
+        v = torch.ones(2) * (cmesh.process_idx() + 1)
         b, borrow = other.borrow(v)
         with other.activate():
             on_other = b.reduce("gpu")
         on_main = v.reduce("host")
         borrow.drop()
-        got = {(h, g): fetch_shard(on_main, host=h, gpu=g) for h in range(2) for g in range(2)}
+        got = {(h, g): fetch_shard(on_main, host=h, gpu=g) for h, g in coords(cmesh)}
         with other.activate():
-            got_other = {(h, g): fetch_shard(on_other, host=h, gpu=g) for h in range(2) for g in range(2)}
+            got_other = {(h, g): fetch_shard(on_other, host=h, gpu=g) for h, g in coords(cmesh)}
     for (h, g), fut in got.items():
-        assert torch.equal(fut.result(), torch.full((2,), 4.0 + 2 * g))
-        assert torch.equal(got_other[h, g].result(), torch.full((2,), 3.0 + 4 * h))
+        by_host = sum(rank_of(cmesh, *c) + 1 for c in members(cmesh, "host", h, g))
+        by_gpu = sum(rank_of(cmesh, *c) + 1 for c in members(cmesh, "gpu", h, g))
+        assert torch.equal(fut.result(), torch.full((2,), float(by_host)))
+        assert torch.equal(got_other[h, g].result(), torch.full((2,), float(by_gpu)))

@@ -43,9 +43,12 @@ def _value_or_zeros(env: dict, ref, factory, device) -> tuple[torch.Tensor, bool
 
 
 def _all_reduce(y: torch.Tensor, reduction: str, group, n: int) -> None:
-    """In place over ``group``; emulates what a backend lacks (gloo: avg; nccl: bitwise ops)."""
+    """In place over ``group``; emulates what a backend lacks (gloo: avg; nccl: bitwise ops).
+
+    Integer ``avg`` is the floor of the mean on every backend (``sum // n``, Python's rule);
+    NCCL's own integer AVG would round toward zero, so results would depend on the device."""
     backend = _info(group)[0]
-    if reduction == "avg" and backend == "gloo":
+    if reduction == "avg" and (backend == "gloo" or not (y.is_floating_point() or y.is_complex())):
         dist.all_reduce(y, dist.ReduceOp.SUM, group=group)
         if y.is_floating_point() or y.is_complex():
             y.div_(n)
