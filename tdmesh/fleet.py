@@ -12,6 +12,7 @@ import hmac
 import io
 import logging
 import pickle
+import queue
 import socket
 import sys
 import threading
@@ -60,11 +61,25 @@ def _decode_hello(payload) -> object:
     return hello
 
 
+def _cut(sock: socket.socket) -> None:
+    """End a first frame that is taking too long: the reader sees the connection close."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class Gatekeeper:
     """The controller's listening socket.  Only processes that present the job's token in
     their first frame get in; everything else (wrong token, garbage, oversized or truncated
     frames, a rank already taken) is refused, logged, and closed, and nothing else happens.
-    After startup it stays open and refuses every newcomer, so strays are seen in the log."""
+    After startup it stays open and refuses every newcomer, so strays are seen in the log.
+
+    Each connection is checked on a thread of its own (at most ``MAX_CHECKS`` at once), so a
+    stranger that connects and sends nothing holds up no one but itself."""
+
+    MAX_CHECKS = 32
+    HELLO_TIMEOUT = 5.0  # seconds a connection gets to send its first frame
 
     def __init__(self, bind: str) -> None:
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -76,52 +91,91 @@ class Gatekeeper:
         self.token = new_token()
         self.refused = 0
         self.closed = False
-        self._thread: threading.Thread | None = None
+        self.arrivals: queue.SimpleQueue = queue.SimpleQueue()  # (conn, hello, peer), token checked
+        self._admitting = True
+        self._lock = threading.Lock()
+        self._checks = threading.BoundedSemaphore(self.MAX_CHECKS)
+        self._thread = threading.Thread(target=self._accept_loop, name="tdmesh-gatekeeper", daemon=True)
+        self._thread.start()
 
-    def admit(self, world_size: int, taken) -> tuple[Connection, m.Hello] | None:
-        """One connection attempt: an authenticated worker's connection, or None."""
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            try:
+                sock, peer = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return  # closed
+            if not self._checks.acquire(blocking=False):
+                self._refuse(Connection(sock), peer, f"{self.MAX_CHECKS} connections are already being checked")
+                continue
+            threading.Thread(target=self._check, args=(sock, peer), name="tdmesh-gatekeeper-check",
+                             daemon=True).start()
+
+    def _check(self, sock: socket.socket, peer) -> None:
+        # the first frame must be complete within HELLO_TIMEOUT, however slowly it trickles in
+        deadline = threading.Timer(self.HELLO_TIMEOUT, _cut, args=(sock,))
         try:
-            sock, peer = self.listener.accept()
-        except socket.timeout:
-            return None
-        sock.settimeout(5)
-        conn = Connection(sock, max_frame=1 << 16)  # a Hello is small; a stranger gets no more
-        try:
-            payload = conn.recv_payload()
-            hello = None if payload is None else _decode_hello(payload)
-        except Exception as e:  # noqa: BLE001 - whatever a stranger sends
-            return self._refuse(conn, peer, f"{type(e).__name__}: {e}")
-        if type(hello) is not m.Hello or not hmac.compare_digest(str(hello.token).encode("utf-8", "replace"), self.token.encode()):
-            return self._refuse(conn, peer, "it did not present this job's token")
-        if not isinstance(hello.rank, int) or not 0 <= hello.rank < world_size or hello.rank in taken:
-            return self._refuse(conn, peer, f"rank {hello.rank!r} is not an open rank of this job")
-        sock.settimeout(None)
-        conn.max_frame = DEFAULT_MAX_FRAME  # authenticated: fetches may be large
-        return conn, hello
+            sock.settimeout(self.HELLO_TIMEOUT)
+            conn = Connection(sock, max_frame=1 << 16)  # a Hello is small; a stranger gets no more
+            deadline.start()
+            try:
+                payload = conn.recv_payload()
+                hello = None if payload is None else _decode_hello(payload)
+            except Exception as e:  # noqa: BLE001 - whatever a stranger sends
+                return self._refuse(conn, peer, f"{type(e).__name__}: {e}")
+            finally:
+                deadline.cancel()
+            if type(hello) is not m.Hello or not hmac.compare_digest(
+                    str(hello.token).encode("utf-8", "replace"), self.token.encode()):
+                return self._refuse(conn, peer, "it did not present this job's token")
+            with self._lock:
+                if self._admitting:
+                    sock.settimeout(None)
+                    conn.max_frame = DEFAULT_MAX_FRAME  # authenticated: fetches may be large
+                    self.arrivals.put((conn, hello, peer))
+                    return
+            self._refuse(conn, peer, f"rank {hello.rank!r} is not an open rank of this job")
+        finally:
+            self._checks.release()
 
     def _refuse(self, conn: Connection, peer, why: str) -> None:
-        self.refused += 1
+        with self._lock:
+            self.refused += 1
         log.warning("tdmesh refused a connection from %s: %s", peer, why)
         conn.close()
         return None
 
+    def admit(self, conn: Connection, hello: m.Hello, peer, world_size: int, taken) -> bool:
+        """Whether an authenticated connection gets its rank; refused (and closed) if not."""
+        if not isinstance(hello.rank, int) or not 0 <= hello.rank < world_size or hello.rank in taken:
+            self._refuse(conn, peer, f"rank {hello.rank!r} is not an open rank of this job")
+            return False
+        return True
+
     def refuse_newcomers(self) -> None:
-        """Keep the port answered after startup: every newcomer is refused and logged."""
-        def loop() -> None:
-            while not self.closed:
-                try:
-                    self.admit(0, ())
-                except OSError:
-                    return
-        self._thread = threading.Thread(target=loop, name="tdmesh-gatekeeper", daemon=True)
-        self._thread.start()
+        """After startup: every newcomer, even one with the token, is refused and logged."""
+        with self._lock:
+            self._admitting = False
+        self._refuse_arrivals()
+
+    def _refuse_arrivals(self) -> None:
+        while True:
+            try:
+                conn, hello, peer = self.arrivals.get_nowait()
+            except queue.Empty:
+                return
+            self._refuse(conn, peer, f"rank {hello.rank!r} is not an open rank of this job")
 
     def close(self) -> None:
         self.closed = True
+        with self._lock:
+            self._admitting = False
         try:
             self.listener.close()
         except OSError:
             pass
+        self._refuse_arrivals()
 
 
 def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str | None = None,
@@ -135,14 +189,14 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
     """
     timeout = env_float("TDMESH_CONNECT_TIMEOUT") if timeout is None else timeout
     gate = Gatekeeper(bind)
-    if announce is not None:
-        announce(host, gate.port, gate.token)
-    else:
-        publish_controller(store, host, gate.port, gate.token, scope)
     conns: dict[int, Connection] = {}
     hellos: dict[int, m.Hello] = {}
-    deadline = time.monotonic() + timeout
     try:
+        if announce is not None:
+            announce(host, gate.port, gate.token)
+        else:
+            publish_controller(store, host, gate.port, gate.token, scope)
+        deadline = time.monotonic() + timeout
         while len(conns) < world_size:
             why = alive()
             if why:
@@ -150,9 +204,11 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(conns))
                 raise DeviceException(f"ranks {missing} did not connect to the controller within {timeout:.0f} s")
-            admitted = gate.admit(world_size, conns)
-            if admitted is not None:
-                conn, hello = admitted
+            try:
+                conn, hello, peer = gate.arrivals.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if gate.admit(conn, hello, peer, world_size, conns):
                 conns[hello.rank] = conn
                 hellos[hello.rank] = hello
     except BaseException:
