@@ -7,7 +7,9 @@ Same model (tutorials/nanogpt.py), same initial weights, same per-rank batches, 
 optimizer, same number of workers, in one run: the DDP baseline runs under torchrun in a
 subprocess first, then tdmesh drives a local mesh from this process.  The tdmesh step is
 timed as the average over ``--steps`` steps ending in one fetch (so the workers' backlog is
-included); DDP's as the median step (synchronised).  Printed: both, and DDP/tdmesh.
+included), eagerly (every op dispatched from this process) and as a ``tdmesh.compile``d step
+(one message per step after the first); DDP's as the median step (synchronised).  Gradients
+are averaged with one bucketed ``tdmesh.reduce_`` per step, as DDP buckets them.
 """
 
 from __future__ import annotations
@@ -59,29 +61,37 @@ def main(argv=None) -> None:
         data = torch.tensor(tokens)
         rank = mesh.rank(mesh.names)
 
-        def step(i):
-            x, y = batch(data, args.batch_size, cfg.block_size, rank, i)
+        def step(x, y):
             loss = model(x, y)
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=False)  # grads stay the same tensors: a compiled step reuses them
             loss.backward()
-            for prm in model.parameters():
-                prm.grad.reduce_(mesh.names, "avg")
+            tdmesh.reduce_([prm.grad for prm in model.parameters()], mesh.names, "avg")
             opt.step()
-            return loss
+            return loss.detach()
 
-        for i in range(3):
-            loss = step(i)
+        compiled_step = tdmesh.compile(step)
+
+        def timed(fn, first: int) -> tuple[float, float]:
+            start = time.perf_counter()
+            for i in range(first, first + args.steps):
+                loss = fn(*batch(data, args.batch_size, cfg.block_size, rank, i))
+            final = tdmesh.fetch_shard(loss).result()
+            return (time.perf_counter() - start) / args.steps, float(final)
+
+        for i in range(3):  # warm-up: creates the gradients and the optimizer's state
+            loss = step(*batch(data, args.batch_size, cfg.block_size, rank, i))
         tdmesh.fetch_shard(loss).result()
-        start = time.perf_counter()
-        for i in range(3, 3 + args.steps):
-            loss = step(i)
-        final = tdmesh.fetch_shard(loss).result()
-        ours_s = (time.perf_counter() - start) / args.steps
+        ours_s, final = timed(step, 3)
+        compiled_step(*batch(data, args.batch_size, cfg.block_size, rank, 3 + args.steps))  # traces it
+        compiled_s, compiled_final = timed(compiled_step, 4 + args.steps)
     print(f"\ntrain step, {args.size} GPT, {args.workers} {args.device} workers, batch {args.batch_size}/worker, "
           f"torch {torch.__version__}")
     print(f"  torchrun DDP   : {ddp_s * 1e3:9.2f} ms/step   ({line.split('LOSS')[1].strip()} final loss)")
-    print(f"  tdmesh         : {ours_s * 1e3:9.2f} ms/step   ({float(final):.4f} final loss)")
+    print(f"  tdmesh         : {ours_s * 1e3:9.2f} ms/step   ({final:.4f} final loss)")
+    print(f"  tdmesh compiled: {compiled_s * 1e3:9.2f} ms/step   ({compiled_final:.4f} final loss after "
+          f"{args.steps + 1} more steps)")
     print(f"  DDP/tdmesh     : {ddp_s / ours_s:9.3f}x  (1.0 = as fast as DDP)")
+    print(f"  DDP/compiled   : {ddp_s / compiled_s:9.3f}x")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import warnings
 from typing import NamedTuple
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import messages as m
 from .grouping import normalize_dims, to_mesh_plan
@@ -127,8 +127,50 @@ def reduce(tensors, dims=(), reduction: str = "sum", scatter: bool = False, mesh
 
 
 def reduce_(tensors, dims=(), reduction: str = "sum", scatter: bool = False, mesh=None):
-    """In-place :func:`reduce` over a pytree."""
+    """In-place :func:`reduce` over a pytree.
+
+    Several tensors of one mesh and stream (gradients, say) travel as one message and are
+    reduced in buckets, one collective per dtype and 32 MiB, as DDP does; tensors that share
+    memory, stacks and scatters are reduced one by one.  In one bucketed call, a tensor that
+    failed upstream marks every tensor of the call failed (peers still take part, nobody hangs)."""
+    leaves, spec = tree_flatten(tensors)
+    if _bucketable(leaves, reduction, scatter, mesh):
+        _reduce_many(leaves, dims, reduction)
+        return tree_unflatten(leaves, spec)
     return tree_map(lambda t: _reduce(t, dims, reduction, scatter, mesh, True, None), tensors)
+
+
+def _bucketable(leaves: list, reduction: str, scatter: bool, mesh) -> bool:
+    if len(leaves) < 2 or scatter or reduction == "stack" or mesh is not None:
+        return False
+    if any(type(t) is not Tensor for t in leaves):
+        return False
+    first = leaves[0]
+    storages = {id(t._r.aliases) for t in leaves}
+    return (len(storages) == len(leaves)
+            and all(t._mesh is first._mesh and t._stream is first._stream for t in leaves))
+
+
+def _reduce_many(leaves: list, dims, reduction: str) -> None:
+    first = leaves[0]
+    plans = [_plan(t, dims, reduction, False, True) for t in leaves]
+    if torch.is_grad_enabled():
+        for t in leaves:
+            if t.requires_grad:
+                _raise(TypeError(f"REQUIRES_GRAD: reduce of tensor {t.ref}, which requires grad, is not "
+                                 f"differentiable; reduce its .detach() or under torch.no_grad()\n  at {user_line()}"))
+    stream = get_active_stream()
+    check_inputs(leaves, first.mesh, "reduce", stream)
+    for t in leaves:
+        check_mutation(t, "reduce_")
+    client = first.mesh.client
+    group = client.ensure_groups("dims", stream.id, first.mesh.shape, plans[0].dims)
+    with client.lock:
+        defs = [r for t in leaves for r in t._r.aliases.refs]
+        seq = client.new_seq()
+        msg = m.ReduceMany(seq, tuple(t.ref for t in leaves), tuple(p.factory for p in plans), group, reduction,
+                           stream.id)
+        client.send(first.mesh, msg, seq, [t.ref for t in leaves], defs)
 
 
 class MeshSliceTensor:

@@ -54,6 +54,17 @@ class Reduce(NamedTuple):
     stream: int = 0
 
 
+class ReduceMany(NamedTuple):
+    """In-place reduce of several tensors over one group: one collective per dtype bucket
+    (as DDP buckets gradients), each rank's tensors flattened in this order."""
+    seq: int
+    tensors: tuple            # tuple[int, ...] refs, reduced in place
+    factories: tuple          # (shape, dtype name) per tensor, for zeros where one is poisoned
+    group: int
+    reduction: str            # sum avg product min max band bor bxor
+    stream: int = 0
+
+
 class SendTensor(NamedTuple):
     """``to_mesh``: ``from_ranks[i]`` sends ``tensor`` to ``to_ranks[i]``, which binds ``result``."""
     seq: int
@@ -199,7 +210,7 @@ class DependentError(NamedTuple):
     seq: int
 
 
-CLIENT_TO_WORKER = (CallFunction, SendValue, Reduce, SendTensor, CreateGroups, DefineRecording, CallRecording,
+CLIENT_TO_WORKER = (CallFunction, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups, DefineRecording, CallRecording,
                     BorrowCreate, BorrowFirstUse, BorrowLastUse,
                     BorrowDrop, DeleteRefs, RequestStatus, CommandGroup, Supervise, Detach, Exit)
 WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, Status)

@@ -114,6 +114,61 @@ def test_optimizer_steps_equal_local_steps(mesh2x2, name):
         assert torch.allclose(a, p.detach(), atol=1e-6)
 
 
+def test_compiled_data_parallel_step_equals_local_steps(mesh2x2):
+    """forward, backward, one bucketed ``reduce_`` of every gradient and an SGD-with-momentum
+    step, compiled (one warm-up step eagerly: it creates the grads and momentum buffers that
+    the recording then updates in place); each rank's batch differs, so the average matters."""
+    n = len(mesh2x2)
+    with mesh2x2.activate():
+        tdmesh.random.set_manual_seed_remote(0)  # one initial model on every rank
+        model = mlp()
+        initial = fetch_shard([p.detach() for p in model.parameters()]).result()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        shift = mesh2x2.rank(("host", "gpu")).float() * 0.1
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=False)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            tdmesh.reduce_([p.grad for p in model.parameters()], ("host", "gpu"), "avg")
+            opt.step()
+            return loss.detach()
+
+        compiled = tdmesh.compile(step)
+        x, y = batch()
+        xs, ys = x + shift, y * (1 + shift)
+        losses = [step(xs, ys)] + [compiled(xs, ys) for _ in range(3)]
+        assert compiled.traces == 1
+        after, remote_losses = fetch_shard(([p.detach() for p in model.parameters()], losses),
+                                           host=1, gpu=1).result()
+
+    local = local_copy(initial)
+    with tdmesh.no_mesh.activate():
+        lopt = torch.optim.SGD(local.parameters(), lr=0.1, momentum=0.9)
+        local_losses = []
+        for _ in range(4):
+            lopt.zero_grad()
+            grads = None
+            for r in range(n):  # the average of every rank's gradient, as reduce_ computes it
+                lx, ly = batch(0.0)
+                lx, ly = lx + r * 0.1, ly * (1 + r * 0.1)
+                lopt.zero_grad()
+                lloss = F.mse_loss(local(lx), ly)
+                lloss.backward()
+                if r == n - 1:
+                    local_losses.append(lloss.detach())
+                g = [p.grad.clone() for p in local.parameters()]
+                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            for p, g in zip(local.parameters(), grads):
+                p.grad = g / n
+            lopt.step()
+    for r, l in zip(remote_losses, local_losses):
+        assert torch.allclose(r, l, atol=1e-5)
+    for a, p, i in zip(after, local.parameters(), initial):
+        assert not torch.equal(a, i)
+        assert torch.allclose(a, p.detach(), atol=1e-5)
+
+
 def test_grads_reduced_as_they_are_produced_by_hooks(mesh2x2):
     def average_over_gpu(p):
         p.grad.reduce_("gpu", "avg")   # a hook must return None; reduce_ returns the tensor

@@ -344,6 +344,103 @@ def test_reduce_pytree_in_place_then_out_of_place(cmesh):
         assert a["a"].item() == n * total and a["b"].item() == n * (total + n)
 
 
+def test_reduce_many_in_place_equals_one_by_one(cmesh):
+    """A list of tensors (mixed dtypes, a strided view, a 0-dim value) reduced in place by one
+    ``tdmesh.reduce_`` call: one message, bucketed by dtype on the workers, the same values
+    as one reduce per tensor."""
+    d = group_dim(cmesh, "gpu")
+    with cmesh.activate():
+        r = cmesh.rank(("host", "gpu"))
+        base = (torch.arange(12, dtype=torch.float32).view(3, 4) + r).t().contiguous()
+        leaves = [
+            torch.arange(6, dtype=torch.float32).view(2, 3) + r,
+            (torch.arange(5) + 10 * r).to(torch.int64),
+            base.t(),                                    # a strided view (its base is not in the list)
+            r.to(torch.float64) + 0.5,                  # 0-dim
+            torch.ones(4, dtype=torch.float32) * (r + 1),
+        ]
+        by_one = [t.clone() for t in leaves]
+        avg_leaves = [leaves[0].clone(), leaves[4].clone()]
+        client = cmesh.client
+        before = client._next_seq
+        same = tdmesh.reduce_(leaves, d, "sum")
+        assert client._next_seq == before + 1, "a list of tensors should travel as one op"
+        for t in by_one:
+            t.reduce_(d, "sum")
+        tdmesh.reduce_(avg_leaves, (), "avg")
+        got = fetch_every((leaves, by_one, avg_leaves, base), cmesh)
+    assert all(a is b for a, b in zip(same, leaves))
+    n_all = cmesh.size()
+    for h, g in coords(cmesh):
+        mine, one_by_one, avgs, b = got[h, g]
+        for a, e in zip(mine, one_by_one):
+            assert a.dtype == e.dtype and torch.equal(a, e)
+        group = [rank_of(cmesh, *c) for c in members(cmesh, d, h, g)]
+        assert torch.equal(mine[0], sum(torch.arange(6, dtype=torch.float32).view(2, 3) + q for q in group))
+        assert torch.equal(mine[1], sum((torch.arange(5) + 10 * q) for q in group))
+        assert torch.equal(b.t(), mine[2])              # the view wrote through to its base
+        every = range(n_all)
+        assert torch.equal(avgs[0], sum(torch.arange(6, dtype=torch.float32).view(2, 3) + q for q in every) / n_all)
+        assert torch.equal(avgs[1], sum(torch.ones(4) * (q + 1) for q in every) / n_all)
+
+
+def test_reduce_many_falls_back_for_shared_memory_and_checks_each_tensor(cmesh):
+    d = group_dim(cmesh, "gpu")
+    n = cmesh.size(d)
+    with cmesh.activate():
+        x = torch.ones(4)
+        head = x[:2]
+        client = cmesh.client
+        before = client._next_seq
+        tdmesh.reduce_([x, head], d)                   # one storage, twice: reduced one by one
+        assert client._next_seq == before + 2
+        with pytest.raises(ValueError, match="unknown reduction"):
+            tdmesh.reduce_([torch.ones(2), torch.ones(3)], d, "median")
+        w = torch.ones(2).requires_grad_()
+        with pytest.raises(TypeError, match="REQUIRES_GRAD"):
+            tdmesh.reduce_([torch.ones(2), w * 2], d)
+        got = inspect(x)
+    assert torch.equal(got, torch.tensor([n * n, n * n, n, n], dtype=torch.float32))
+
+
+def test_reduce_many_with_a_poisoned_tensor(cmesh):
+    """One tensor of the list is poisoned on some ranks: nobody hangs, the call's tensors are
+    marked failed with the root cause, and the group keeps working."""
+    d = wide_dim(cmesh, "gpu", needs="a group of >= 2 ranks, one of them poisoned")
+    n = cmesh.size(d)
+    fn = remote(fail_where_coordinate_is_1, propagate=lambda x, mesh, dim: x + 1)
+    with cmesh.activate():
+        good = torch.ones(3)
+        bad = fn(torch.zeros(3), cmesh, d)
+        tdmesh.reduce_([good, bad], d)
+        with pytest.raises(tdmesh.RemoteException, match="this rank refuses"):
+            fetch_shard(good, host=0, gpu=0).result(timeout=60)
+        after = inspect(torch.ones(2).reduce(d))
+    assert torch.equal(after, torch.full((2,), float(n)))
+
+
+def test_reduce_many_inside_a_compiled_function(cmesh):
+    d = group_dim(cmesh, "gpu")
+    n = cmesh.size(d)
+
+    @tdmesh.compile
+    def grads_step(a, b):
+        tdmesh.reduce_([a, b], d)
+        return a + b
+
+    with cmesh.activate():
+        outs = []
+        for k in range(3):
+            a, b = torch.ones(2) * (k + 1), torch.ones(3, dtype=torch.int64) * k
+            outs.append((a, b, grads_step(a, b[:2].float())))
+        got = fetch_every(outs, cmesh)
+    for h, g in coords(cmesh):
+        for k, (a, b, s) in enumerate(got[h, g]):
+            assert torch.equal(a, torch.full((2,), float(n * (k + 1))))
+            assert torch.equal(b, torch.full((3,), k, dtype=torch.int64))   # b itself was not in the list
+            assert torch.equal(s, torch.full((2,), float(n * (k + 1) + n * k)))
+
+
 def test_sub_mesh_reduce(cmesh):
     """Reduce over ``d`` on the sub-mesh at the last coordinate of the other dim."""
     d = group_dim(cmesh, "gpu")

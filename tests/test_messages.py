@@ -20,6 +20,7 @@ SAMPLES = {
     m.SendValue: m.SendValue(7, (8,), b"\x80\x05pickled-callable", (m.Ref(8), m.MeshArg(HG)), {"k": (1, 2)},
                              stream=2, process_groups=()),
     m.Reduce: m.Reduce(8, 20, 4, ((2, 3), "float32"), 3, "sum", True, False, None, stream=1),
+    m.ReduceMany: m.ReduceMany(9, (4, 5), (((2, 3), "float32"), ((), "int64")), 3, "avg", stream=1),
     m.SendTensor: m.SendTensor(9, 21, Slice(offset=0, sizes=(2,), strides=(1,)), Slice(offset=2, sizes=(2,), strides=(1,)), 4, ((3,), "int64"), 0, 1),
     m.CreateGroups: m.CreateGroups("remote", 1, HG, ("gpu",), 30, 2),
     m.BorrowCreate: m.BorrowCreate(22, 1, 4, 0, 1),
@@ -47,6 +48,7 @@ FIELDS = {
     m.CallFunction: ("seq", "results", "mutates", "function", "args", "kwargs", "stream", "process_groups"),
     m.SendValue: ("seq", "mutates", "function", "args", "kwargs", "stream", "process_groups"),
     m.Reduce: ("seq", "result", "tensor", "factory", "group", "reduction", "scatter", "inplace", "out", "stream"),
+    m.ReduceMany: ("seq", "tensors", "factories", "group", "reduction", "stream"),
     m.SendTensor: ("seq", "result", "from_ranks", "to_ranks", "tensor", "factory", "from_stream", "to_stream"),
     m.CreateGroups: ("kind", "stream", "mesh", "dims", "ref", "to_stream", "id"),
     m.BorrowCreate: ("result", "borrow", "tensor", "from_stream", "to_stream"),
@@ -77,6 +79,7 @@ DEFAULTS = {
     m.CallFunction: {"stream": 0, "process_groups": ()},
     m.SendValue: {"stream": 0, "process_groups": ()},
     m.Reduce: {"stream": 0},
+    m.ReduceMany: {"stream": 0},
     m.CreateGroups: {"mesh": None, "dims": (), "ref": None, "to_stream": None, "id": 0},
     m.Exit: {"error": None},
     m.FetchResult: {"error": None},
@@ -84,7 +87,7 @@ DEFAULTS = {
 
 
 def test_direction_tables_are_exactly_the_documented_records():
-    assert m.CLIENT_TO_WORKER == (m.CallFunction, m.SendValue, m.Reduce, m.SendTensor, m.CreateGroups,
+    assert m.CLIENT_TO_WORKER == (m.CallFunction, m.SendValue, m.Reduce, m.ReduceMany, m.SendTensor, m.CreateGroups,
                                   m.DefineRecording, m.CallRecording, m.BorrowCreate, m.BorrowFirstUse,
                                   m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs, m.RequestStatus, m.CommandGroup,
                                   m.Supervise, m.Detach, m.Exit)

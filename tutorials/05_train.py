@@ -52,8 +52,8 @@ def train(mesh: tdmesh.DeviceMesh, steps: int, size: str, batch_size: int, lr: f
             loss = model(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            for p in model.parameters():              # data parallel: average gradients everywhere
-                p.grad.reduce_(mesh.names, "avg")
+            # data parallel: average gradients everywhere (one message, bucketed like DDP)
+            tdmesh.reduce_([p.grad for p in model.parameters()], mesh.names, "avg")
             opt.step()
             if step % 10 == 0 or step == steps - 1:
                 avg = loss.detach().reduce(mesh.names, "avg")

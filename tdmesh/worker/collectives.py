@@ -46,10 +46,13 @@ def _all_reduce(y: torch.Tensor, reduction: str, group, n: int) -> None:
     """In place over ``group``; emulates what a backend lacks (gloo: avg; nccl: bitwise ops).
 
     Integer ``avg`` is the floor of the mean on every backend (``sum // n``, Python's rule);
-    NCCL's own integer AVG would round toward zero, so results would depend on the device."""
+    NCCL's own integer AVG would round toward zero, so results would depend on the device.
+    A group of one (a dim of size 1) reduces nothing: no collective is run."""
+    if n == 1:
+        return
     backend = _info(group)[0]
     if reduction == "avg" and (backend == "gloo" or not (y.is_floating_point() or y.is_complex())):
-        dist.all_reduce(y, dist.ReduceOp.SUM, group=group)
+        _backend_all_reduce(y, "sum", group)
         if y.is_floating_point() or y.is_complex():
             y.div_(n)
         else:
@@ -62,6 +65,10 @@ def _all_reduce(y: torch.Tensor, reduction: str, group, n: int) -> None:
             acc = _LOCAL[reduction](acc, parts[i])
         y.copy_(acc)
         return
+    _backend_all_reduce(y, reduction, group)
+
+
+def _backend_all_reduce(y: torch.Tensor, reduction: str, group) -> None:
     if y.is_complex():
         dist.all_reduce(y, _OPS[reduction], group=group)  # torch views complex as real pairs
         return
@@ -81,6 +88,8 @@ _OPTIONS = {name: _options(op) for name, op in _OPS.items()}
 
 def _all_gather(x: torch.Tensor, group, n: int) -> torch.Tensor:
     """``[n, *x.shape]`` of every member's ``x`` in group-rank order (= coordinate order)."""
+    if n == 1:
+        return x.unsqueeze(0).clone(memory_format=torch.contiguous_format)
     flat = x.reshape(-1) if x.dim() == 0 else x.contiguous()
     out = torch.empty((n * flat.shape[0], *flat.shape[1:]), dtype=x.dtype, device=x.device)
     _gather_single(out, flat, group=group)  # concatenated along dim 0 (gloo and nccl)
@@ -99,7 +108,9 @@ def reduce(interp, msg: m.Reduce, stream) -> None:
         if msg.scatter:  # all-to-all: row i goes to group rank i
             result = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
             src = x.contiguous()
-            if result.is_contiguous():
+            if n == 1:
+                result.copy_(src)
+            elif result.is_contiguous():
                 dist.all_to_all_single(result, src, group=group)
             else:
                 tmp = torch.empty_like(src)
@@ -132,6 +143,54 @@ def reduce(interp, msg: m.Reduce, stream) -> None:
         result = target
     if msg.result is not None:
         env[msg.result] = result
+
+
+def _all_reduce_into(x: torch.Tensor, reduction: str, group, n: int) -> None:
+    """``_all_reduce`` of any tensor, through a contiguous copy where it is a strided view."""
+    if x.is_contiguous():
+        _all_reduce(x, reduction, group, n)
+    else:
+        tmp = x.contiguous()
+        _all_reduce(tmp, reduction, group, n)
+        x.copy_(tmp)
+
+
+_BUCKET_BYTES = 32 << 20  # the most one flattened bucket holds (a copy of the tensors it packs)
+
+
+def reduce_many(interp, msg: m.ReduceMany, stream) -> None:
+    """``tdmesh.reduce_(list)``: tensors of one dtype are packed into flat buckets, each
+    reduced by one collective and unpacked, instead of one collective per tensor."""
+    env = stream.env
+    group = interp.groups.by_id(msg.group)
+    n = _info(group)[1]
+    xs = [_value_or_zeros(env, ref, factory, interp.device)[0] for ref, factory in zip(msg.tensors, msg.factories)]
+    if n == 1:
+        return
+    buckets: dict = {}  # (dtype, device) -> [(bytes, [tensors]), ...], the last one open
+    for x in xs:
+        size = x.numel() * x.element_size()
+        if size >= _BUCKET_BYTES:  # big enough to travel alone (decided by size only: every
+            # rank must run the same collectives, whether its tensor is a view or zeros)
+            _all_reduce_into(x, msg.reduction, group, n)
+            continue
+        kind = buckets.setdefault((x.dtype, x.device), [])
+        if not kind or kind[-1][0] + size > _BUCKET_BYTES:
+            kind.append([0, []])
+        kind[-1][0] += size
+        kind[-1][1].append(x)
+    for kind in buckets.values():
+        for _, bucket in kind:
+            if len(bucket) == 1:
+                _all_reduce_into(bucket[0], msg.reduction, group, n)
+                continue
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            _all_reduce(flat, msg.reduction, group, n)
+            offset = 0
+            for t in bucket:
+                k = t.numel()
+                t.copy_(flat[offset:offset + k].view(t.shape))
+                offset += k
 
 
 def _out_factory(msg: m.Reduce, n: int) -> tuple:

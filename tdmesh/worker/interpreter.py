@@ -128,6 +128,9 @@ class Interpreter:
     def Reduce(self, msg: m.Reduce) -> None:
         self.stream(msg.stream).submit(self._reduce, msg)
 
+    def ReduceMany(self, msg: m.ReduceMany) -> None:
+        self.stream(msg.stream).submit(self._reduce_many, msg)
+
     def SendTensor(self, msg: m.SendTensor) -> None:
         sends = self.rank in msg.from_ranks
         receives = self.rank in msg.to_ranks
@@ -256,6 +259,14 @@ class Interpreter:
         except Exception as e:
             targets = (msg.result,) if msg.result is not None else ()
             self._fail(stream.env, msg.seq, targets, (msg.out,) if msg.out is not None else (), e, "reduce")
+
+    def _reduce_many(self, msg: m.ReduceMany, stream: Stream) -> None:
+        try:
+            collectives.reduce_many(self, msg, stream)
+        except ProtocolViolation:
+            raise
+        except Exception as e:
+            self._fail(stream.env, msg.seq, (), msg.tensors, e, "reduce")
 
     def _send_tensor(self, msg: m.SendTensor, stream: Stream) -> None:
         try:

@@ -127,27 +127,32 @@ def _rename_value(obj, names: dict):
         new = names.get(obj.id)
         return obj if new is None else m.Ref(new)
     if t is tuple or t is list:
-        return t(_rename_value(x, names) for x in obj)
+        return t([_rename_value(x, names) for x in obj])
     if t is dict:
         return {k: _rename_value(v, names) for k, v in obj.items()}
     return obj
 
 
 def _rename(c, names: dict, borrows: dict, seq: int):
+    # Replays rename every command of a recording: records are built directly, not with
+    # NamedTuple._replace (several times slower), on the worker's message thread.
     t = type(c)
     if t is m.CallFunction:
+        get = names.get
+        results = tuple([None if r is None else get(r, r) for r in c.results])
+        mutates = tuple([get(r, r) for r in c.mutates]) if c.mutates else ()
         if type(c.args) is bytes:  # sealed user-function arguments: rename inside, seal again
             args, kwargs = pickle.loads(c.args)
             sealed = pickle.dumps((_rename_value(args, names), _rename_value(kwargs, names)),
                                   protocol=pickle.HIGHEST_PROTOCOL)
-            return c._replace(seq=seq, results=tuple(_ref(names, r) for r in c.results),
-                              mutates=tuple(names.get(r, r) for r in c.mutates), args=sealed)
-        return c._replace(seq=seq, results=tuple(_ref(names, r) for r in c.results),
-                          mutates=tuple(names.get(r, r) for r in c.mutates),
-                          args=_rename_value(c.args, names), kwargs=_rename_value(c.kwargs, names))
+            return m.CallFunction(seq, results, mutates, c.function, sealed, c.kwargs, c.stream, c.process_groups)
+        return m.CallFunction(seq, results, mutates, c.function, _rename_value(c.args, names),
+                              _rename_value(c.kwargs, names) if c.kwargs else c.kwargs, c.stream, c.process_groups)
     if t is m.Reduce:
         return c._replace(seq=seq, result=_ref(names, c.result), tensor=names.get(c.tensor, c.tensor),
                           out=_ref(names, c.out))
+    if t is m.ReduceMany:
+        return c._replace(seq=seq, tensors=tuple(names.get(r, r) for r in c.tensors))
     if t is m.SendTensor:
         return c._replace(seq=seq, result=names.get(c.result, c.result), tensor=names.get(c.tensor, c.tensor))
     if t is m.DeleteRefs:
