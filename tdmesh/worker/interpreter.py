@@ -252,31 +252,33 @@ class Interpreter:
         self.send(m.FetchResult(msg.seq, payload))
 
     def _reduce(self, msg: m.Reduce, stream: Stream) -> None:
-        try:
-            collectives.reduce(self, msg, stream)
-        except ProtocolViolation:
-            raise
-        except Exception as e:
+        error = self._collective(collectives.reduce, msg, stream)
+        if error is not None:
             targets = (msg.result,) if msg.result is not None else ()
-            self._fail(stream.env, msg.seq, targets, (msg.out,) if msg.out is not None else (), e, "reduce")
+            self._fail(stream.env, msg.seq, targets, (msg.out,) if msg.out is not None else (), error, "reduce")
 
     def _reduce_many(self, msg: m.ReduceMany, stream: Stream) -> None:
-        try:
-            collectives.reduce_many(self, msg, stream)
-        except ProtocolViolation:
-            raise
-        except Exception as e:
-            self._fail(stream.env, msg.seq, (), msg.tensors, e, "reduce")
+        error = self._collective(collectives.reduce_many, msg, stream)
+        if error is not None:
+            self._fail(stream.env, msg.seq, (), msg.tensors, error, "reduce")
 
     def _send_tensor(self, msg: m.SendTensor, stream: Stream) -> None:
-        try:
-            collectives.send_tensor(self, msg, stream)
-        except ProtocolViolation:
-            raise
-        except Exception as e:
+        error = self._collective(collectives.send_tensor, msg, stream)
+        if error is not None:
             receives = self.rank in msg.to_ranks
             env = self.stream(msg.to_stream).env if receives else stream.env
-            self._fail(env, msg.seq, (msg.result,) if receives else (), (), e, "to_mesh")
+            self._fail(env, msg.seq, (msg.result,) if receives else (), (), error, "to_mesh")
+
+    def _collective(self, run, msg, stream: Stream) -> Exception | None:
+        """Run one collective; its error, if it raised one that the user's values caused (a
+        broken message is a ProtocolViolation and ends the worker)."""
+        try:
+            run(self, msg, stream)
+        except ProtocolViolation:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported against the op's seq by the caller
+            return e
+        return None
 
     def _unsupported_p2p(self, msg: m.SendTensor, stream: Stream) -> None:
         error = NotImplementedError(f"to_mesh: rank {self.rank} would both send on stream {msg.from_stream} and "
@@ -392,7 +394,7 @@ class Interpreter:
 
     def _fail(self, env: dict, seq, results, mutates, error: BaseException, function) -> None:
         self.caused_error = True
-        tb = traceback.format_exc()
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         name = function if isinstance(function, str) else getattr(error, "__qualname__", "a pickled function")
         log.debug("seq %s failed on worker %s running %s:\n%s", seq, self.rank, name, tb)
         self.send(m.RemoteFunctionFailed(seq, self.rank, type(error).__name__, str(error), tb))
