@@ -10,8 +10,8 @@ runs on the worker's message thread, in the client's one global message order.
 Why not ``split_group``: in torch 2.11-2.13 it is experimental and NCCL-only (gloo raises),
 and on GPUs it would bring nothing ``new_group`` lacks: the worker binds its device in
 ``init_process_group(device_id=...)``, so every NCCL ``new_group`` is already created by
-``ncclCommSplit`` from the world communicator.  On CPU (gloo, 4 workers on 2 cores) a new key makes its first
-``reduce`` + fetch 4-12 ms slower than the second.
+``ncclCommSplit`` from the world communicator.  On CPU (gloo, 4 workers on 2 cores) a new
+key makes its first ``reduce`` + fetch 4-12 ms slower than the second.
 
 Keys: one group set per (stream, mesh, dims), so collectives on different streams never
 queue behind each other on one communicator; one per (ref, stream) for the groups users
