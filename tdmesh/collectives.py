@@ -77,15 +77,19 @@ def _plan(t, dims, reduction: str, scatter: bool, inplace: bool) -> _ReducePlan:
     return plan
 
 
+def _check_no_grad(t) -> None:
+    if t.requires_grad and torch.is_grad_enabled():
+        _raise(TypeError(f"REQUIRES_GRAD: reduce of tensor {t.ref}, which requires grad, is not differentiable; "
+                         f"reduce its .detach() or under torch.no_grad()\n  at {user_line()}"))
+
+
 def _reduce(t, dims, reduction: str, scatter: bool, mesh, inplace: bool, out):
     if type(t) is not Tensor:
         raise TypeError(f"reduce needs a tdmesh tensor, got {type(t).__name__}\n  at {user_line()}")
     if mesh is not None:
         raise NotImplementedError("reduce(mesh=...) is not supported; reduce on the tensor's own mesh")
     plan = _plan(t, dims, reduction, scatter, inplace)
-    if t.requires_grad and torch.is_grad_enabled():
-        _raise(TypeError(f"REQUIRES_GRAD: reduce of tensor {t.ref}, which requires grad, is not differentiable; "
-                         f"reduce its .detach() or under torch.no_grad()\n  at {user_line()}"))
+    _check_no_grad(t)
     stream = get_active_stream()
     inputs = [t] if out is None else [t, out]
     check_inputs(inputs, t.mesh, "reduce", stream)
@@ -154,11 +158,8 @@ def _bucketable(leaves: list, reduction: str, scatter: bool, mesh) -> bool:
 def _reduce_many(leaves: list, dims, reduction: str) -> None:
     first = leaves[0]
     plans = [_plan(t, dims, reduction, False, True) for t in leaves]
-    if torch.is_grad_enabled():
-        for t in leaves:
-            if t.requires_grad:
-                _raise(TypeError(f"REQUIRES_GRAD: reduce of tensor {t.ref}, which requires grad, is not "
-                                 f"differentiable; reduce its .detach() or under torch.no_grad()\n  at {user_line()}"))
+    for t in leaves:
+        _check_no_grad(t)
     stream = get_active_stream()
     check_inputs(leaves, first.mesh, "reduce", stream)
     for t in leaves:

@@ -165,13 +165,11 @@ class Tensor(torch.Tensor):
 
     def to_mesh(self, mesh, stream=None):
         """A copy of this tensor on ``mesh`` (dims matched by name, broadcast over new dims)."""
-        from .collectives import _to_mesh
-        return _to_mesh(self, self._mesh, mesh, stream)
+        return _collectives()._to_mesh(self, self._mesh, mesh, stream)
 
     def slice_mesh(self, **kw):
         """This tensor restricted to ``self.mesh.slice(**kw)``, to move with ``.to_mesh``."""
-        from .collectives import MeshSliceTensor
-        return MeshSliceTensor(self, self._mesh.slice(**kw))
+        return _collectives().MeshSliceTensor(self, self._mesh.slice(**kw))
 
     def drop(self) -> None:
         """Free this tensor and every view sharing its memory on the workers, now."""

@@ -134,12 +134,7 @@ def reduce(interp, msg: m.Reduce, stream) -> None:
             target = out.copy_(x)
         else:
             target = x.clone(memory_format=torch.contiguous_format)
-        if target.is_contiguous():
-            _all_reduce(target, msg.reduction, group, n)
-        else:
-            tmp = target.contiguous()
-            _all_reduce(tmp, msg.reduction, group, n)
-            target.copy_(tmp)
+        _all_reduce_into(target, msg.reduction, group, n)
         result = target
     if msg.result is not None:
         env[msg.result] = result

@@ -297,9 +297,7 @@ class Interpreter:
             slot.value = stream.env[msg.tensor]
         except KeyError:
             slot.value = Poison(-1, f"borrowed ref {msg.tensor} does not exist on stream {stream.id}")
-        if stream.cuda is not None:
-            slot.event = torch.cuda.Event()
-            slot.event.record(stream.cuda)
+        slot.event = _event_on(stream)
         slot.created.set()
 
     def _borrow_first_use(self, msg: m.BorrowFirstUse, stream: Stream) -> None:
@@ -314,9 +312,7 @@ class Interpreter:
 
     def _borrow_last_use(self, msg: m.BorrowLastUse, stream: Stream) -> None:
         slot = self.borrows[msg.borrow]
-        if stream.cuda is not None:
-            slot.last_event = torch.cuda.Event()
-            slot.last_event.record(stream.cuda)
+        slot.last_event = _event_on(stream)
         stream.env.pop(slot.msg.result, None)
         slot.released.set()
 
@@ -399,6 +395,15 @@ class Interpreter:
         log.debug("seq %s failed on worker %s running %s:\n%s", seq, self.rank, name, tb)
         self.send(m.RemoteFunctionFailed(seq, self.rank, type(error).__name__, str(error), tb))
         self._poison(env, results, mutates, Poison(seq, f"{type(error).__name__}: {error}"))
+
+
+def _event_on(stream: Stream):
+    """A CUDA event recorded now on ``stream``'s CUDA stream; None on CPU (threads order it)."""
+    if stream.cuda is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream.cuda)
+    return event
 
 
 def _unseal(args, kwargs):
