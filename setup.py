@@ -6,8 +6,10 @@ setup(
     description="A single-controller runtime for PyTorch: drive a torchrun fleet as one device",
     packages=find_packages(include=["tdmesh", "tdmesh.*"]),
     python_requires=">=3.11",
-    # torch.distributed.elastic (the old torchelastic) ships inside torch.
-    install_requires=["torch>=2.11"],
-    extras_require={"test": ["pytest", "hypothesis", "cloudpickle"]},
+    # torch.distributed.elastic (the old torchelastic) ships inside torch.  numpy: torch warns in
+    # every process without it, and mesh/rank arrays are ndarrays; cloudpickle ships functions
+    # that have no import path (closures, the user's script) to the workers.
+    install_requires=["torch>=2.11", "numpy", "cloudpickle"],
+    extras_require={"test": ["pytest", "hypothesis"]},
     entry_points={"console_scripts": ["tdmesh-worker=tdmesh.worker.__main__:main"]},
 )

@@ -13,6 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from tdmesh.config import cpu_forced
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tutorials"))
 from nanogpt import GPT, GPTConfig, encode, get_batch  # noqa: E402
 
@@ -23,7 +25,7 @@ def main() -> None:
     p.add_argument("--size", default="tiny")
     p.add_argument("--batch-size", type=int, default=8)
     args = p.parse_args()
-    cuda = torch.cuda.is_available() and os.environ.get("TDMESH_DEVICE") != "cpu"
+    cuda = torch.cuda.is_available() and not cpu_forced()
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:

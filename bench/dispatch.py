@@ -40,7 +40,7 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m bench.dispatch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=None, help="loop length N (default 10000; 500 with --quick)")
-    p.add_argument("--workers", type=int, default=2, help="workers for section (5) (default 2; 0 or 1 skips it)")
+    p.add_argument("--workers", type=int, default=2, help="workers for section (7) (default 2; 0 or 1 skips it)")
     p.add_argument("--fetches", type=int, default=None, help="fetch round trips for (4) (default 500; 100 with --quick)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per section (default 3)")
     p.add_argument("--quick", action="store_true", help="small N for a CI smoke run")
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
 
     workers = args.workers
     if workers > 1 and args.device == "cuda" and workers > torch.cuda.device_count():
-        print(f"(5) skipped: --workers {workers} needs {workers} GPUs, this host has {torch.cuda.device_count()}",
+        print(f"(7) skipped: --workers {workers} needs {workers} GPUs, this host has {torch.cuda.device_count()}",
               flush=True)
         workers = 0
     if workers > 1:

@@ -31,8 +31,10 @@ def run_loop_local(n: int, shape, device: str | None = None):
     shipped with ``tdmesh.remote("bench.helpers.run_loop_local", ...)``.
     """
     import torch
+
+    from tdmesh.config import cpu_forced
     if device is None:
-        device = "cuda" if torch.cuda.is_available() and os.environ.get("TDMESH_DEVICE") != "cpu" else "cpu"
+        device = "cuda" if torch.cuda.is_available() and not cpu_forced() else "cpu"
     local = torch.zeros(shape, device=device)
     ones = torch.ones(shape, device=device)
     for _ in range(n):

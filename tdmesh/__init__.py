@@ -10,6 +10,7 @@ from .shape import Shape, UnknownDimError
 from .mesh import DeviceMesh
 from ._context import get_active_mesh, no_mesh
 from .errors import DeviceException, RemoteException
+from .config import ControllerParams, SupervisionParams
 from .future import Future
 from .tensor import Tensor
 from .remote import Remote, RemoteProcessGroup, remote
@@ -24,7 +25,7 @@ from . import random
 
 __all__ = [
     "Slice", "Shape", "UnknownDimError", "DeviceMesh", "get_active_mesh", "no_mesh",
-    "DeviceException", "RemoteException", "Future", "Tensor", "Remote", "remote",
+    "DeviceException", "RemoteException", "ControllerParams", "SupervisionParams", "Future", "Tensor", "Remote", "remote",
     "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
     "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all", "show", "attach", "random",

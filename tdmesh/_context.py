@@ -11,6 +11,9 @@ import contextvars
 import threading
 
 _active_mesh: contextvars.ContextVar = contextvars.ContextVar("tdmesh_active_mesh", default=None)
+# The client's own default device, as it was before a CUDA mesh made factories default to
+# "cuda": under no_mesh, local tensors go back there (the client never makes a CUDA context).
+_client_device: contextvars.ContextVar = contextvars.ContextVar("tdmesh_client_device", default=None)
 _mode_lock = threading.Lock()
 _mode_depth = 0
 
@@ -31,12 +34,18 @@ class Activation:
     """Returned by ``activate()``: already in effect; exiting restores the previous mesh."""
 
     def __init__(self, mesh) -> None:
+        import torch
         self._mesh = mesh
         self._token = _active_mesh.set(mesh)
+        self._device_token = None
         self._device_ctx = None
         if mesh is not None and mesh.device_type == "cuda":
-            import torch
+            if _client_device.get() is None:
+                self._device_token = _client_device.set(_default_device())
             self._device_ctx = torch.device("cuda")
+        elif mesh is None and _client_device.get() is not None:  # no_mesh inside a CUDA mesh
+            self._device_ctx = _client_device.get()
+        if self._device_ctx is not None:
             self._device_ctx.__enter__()
         _push_mode()
         self._active = True
@@ -54,7 +63,22 @@ class Activation:
         _pop_mode()
         if self._device_ctx is not None:
             self._device_ctx.__exit__(None, None, None)
+        if self._device_token is not None:
+            _client_device.reset(self._device_token)
         _active_mesh.reset(self._token)
+
+
+def _default_device():
+    """The device factories use now, as ``torch.get_default_device()`` finds it, but never
+    resolving an index-less "cuda" (that would create a CUDA context in the client)."""
+    import torch
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    return context.device if context is not None else torch.device("cpu")
 
 
 def _push_mode() -> None:

@@ -91,6 +91,7 @@ class Client:
     # -- sending ---------------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self.failure is not None:
+            self.failure.observed = True
             raise self.failure
         if self.closed:
             raise RuntimeError("this mesh has exited; its tensors can no longer be used")
@@ -263,6 +264,9 @@ class Client:
                         continue
                     if t is m.Status:
                         supervisor.status(rank, msg.first_uncompleted)
+                    elif t is m.WorkerFailed:  # at once: its exit must not be reported first
+                        self.fail_from_supervisor(self._broken_device(msg))
+                        continue
                     self.inbox.put((rank, msg))
 
     def pump(self, timeout: float | None = 0, until: Callable[[], bool] | None = None) -> None:
@@ -295,7 +299,8 @@ class Client:
         elif t is FleetFailure:
             self._fail_fleet(msg.args[0])
         else:
-            self._fail_fleet(DeviceException(f"rank {rank} sent an unexpected {t.__name__}: {msg!r}"))
+            self._fail_fleet(DeviceException(f"worker rank {rank} {self.describe(rank)} sent an unexpected "
+                                             f"{t.__name__}: {msg!r}"))
 
     def _exit_reason(self, rank: int) -> str | None:
         """How a worker whose connection closed ended, if the launcher can tell (local_mesh)."""
@@ -325,8 +330,19 @@ class Client:
         node = self.history._by_seq.get(seq)
         return site_text(node.site if node is not None else None)
 
+    def _broken_device(self, msg: m.WorkerFailed) -> DeviceException:
+        """A worker's device is unusable (sticky CUDA error): name the op, the user's line,
+        the rank and where it ran."""
+        return DeviceException(
+            f"worker rank {msg.rank} {self.describe(msg.rank)} hit an error that leaves its device unusable, "
+            f"and left: {msg.exc_type}: {msg.message.strip()}\n"
+            f"The op that met it ({msg.function}) was issued at {self.site_of(msg.seq)}\n"
+            f"(CUDA reports a kernel's fault at a later call: with CUDA_LAUNCH_BLOCKING=1 set for the workers, "
+            f"the op named is the one that faulted.)\n"
+            f"Traceback on worker rank {msg.rank}:\n{msg.traceback.rstrip()}\n{self.where_logs()}")
+
     def fail_from_supervisor(self, exc: DeviceException) -> None:
-        """From the supervisor thread: the fleet is broken; wake whoever waits."""
+        """From the supervisor (or reader) thread: the fleet is broken; wake whoever waits."""
         if self.exiting:
             return
         if self.failure is None:

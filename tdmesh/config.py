@@ -11,11 +11,14 @@ VARIABLES = {
     "TDMESH_DEVICE_INDEX": ("", "CUDA device of this worker (default LOCAL_RANK); set by local_mesh"),
     "TDMESH_STORE": ("", "host:port of the c10d store (default MASTER_ADDR:MASTER_PORT from torchrun)"),
     "TDMESH_LOG_LEVEL": ("WARNING", "log level of tdmesh's own loggers on workers"),
-    "TDMESH_LOG_FILE": ("", "this worker's log file, reported in errors (set by local_mesh)"),
+    "TDMESH_LOG_FILE": ("", "a file each worker also appends its tdmesh log to, named in errors; '{rank}' in it "
+                            "becomes the rank (local_mesh names each worker's stderr file instead)"),
     "TDMESH_SELF_ERROR_EXIT_CODE": ("1", "worker exit code when the job fails and this worker caused it"),
     "TDMESH_PEER_ERROR_EXIT_CODE": ("1", "worker exit code when the job fails because of another process"),
     "TDMESH_PEER_EXIT_DELAY": ("2.0", "seconds a torchrun worker waits before exiting for another process's failure, so that rank 0 (the script) is torchrun's root cause"),
     "TDMESH_SCOPE": ("", "store key prefix of a local_mesh fleet (set by local_mesh)"),
+    "TDMESH_CONTROLLER_HOST": ("", "the address workers use to reach the controller (default: this host's name, "
+                                   "or 127.0.0.1 when the name does not resolve)"),
     "TDMESH_CONNECT_TIMEOUT": ("120", "seconds the controller waits for every worker to connect"),
     "TDMESH_PG_TIMEOUT": ("120", "seconds a collective may wait before torch.distributed fails it (torch's default is 10 min)"),
     "TDMESH_HEARTBEAT_INTERVAL": ("2.0", "SupervisionParams.heartbeat_interval: seconds between worker heartbeats"),
@@ -24,6 +27,7 @@ VARIABLES = {
     "TDMESH_OPERATION_TIMEOUT": ("120.0", "ControllerParams.operation_timeout: seconds before a stuck op is reported"),
     "TDMESH_OPS_PER_PROGRESS_REQUEST": ("100", "ControllerParams.ops_per_progress_request: ops between progress probes"),
     "TDMESH_FAIL_ON_OPERATION_TIMEOUT": ("0", "ControllerParams.fail_on_operation_timeout: 1 makes a stuck op a DeviceException"),
+    "TDMESH_TEST_MESH": ("2x2", "tests only: HOSTSxGPUS, the mesh of the collective and stream suites"),
 }
 
 
@@ -55,15 +59,19 @@ class ControllerParams(NamedTuple):
                                 env_str("TDMESH_FAIL_ON_OPERATION_TIMEOUT") not in ("", "0", "false", "False"))
 
 
-def env_str(name: str, default: str | None = None) -> str:
-    if default is None:
-        default = VARIABLES[name][0]
-    return os.environ.get(name, default)
+def env_str(name: str) -> str:
+    """The variable's value, or its default from ``VARIABLES`` (an unlisted name is a KeyError)."""
+    return os.environ.get(name, VARIABLES[name][0])
 
 
-def env_int(name: str, default: int | None = None) -> int:
-    return int(env_str(name, None if default is None else str(default)))
+def env_int(name: str) -> int:
+    return int(env_str(name))
 
 
-def env_float(name: str, default: float | None = None) -> float:
-    return float(env_str(name, None if default is None else str(default)))
+def env_float(name: str) -> float:
+    return float(env_str(name))
+
+
+def cpu_forced() -> bool:
+    """``TDMESH_DEVICE=cpu``: CPU workers even where CUDA is present."""
+    return env_str("TDMESH_DEVICE") == "cpu"

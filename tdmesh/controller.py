@@ -37,6 +37,9 @@ class History:
         self._frontier = {r: 0 for r in ranks}
         self._failed_refs: dict[int, RemoteException] = {}
         self.unobserved: dict[int, RemoteException] = {}
+        # failures of ops with no outputs (a check such as _linalg_check_errors): no value
+        # depends on them, so the next blocking call raises them (seq -> error)
+        self._silent: dict[int, RemoteException] = {}
         self._last_seq = -1
 
     def add(self, seq: int, uses, defs, site, future: Future | None = None) -> Node:
@@ -83,6 +86,8 @@ class History:
         if node is None:
             return
         node.failure = exc
+        if not node.defs and node.future is None:
+            self._silent.setdefault(msg.seq, exc)
         poisoned = set(node.defs)
         for later in self._order:
             if later.seq <= msg.seq:
@@ -111,7 +116,10 @@ class History:
         fut = node.future
         if fut is None:
             return
-        if node.failure is not None:
+        silent = self._silent and self._earlier_silent_failure(node.seq)
+        if silent:
+            fut._set_exception(silent)
+        elif node.failure is not None:
             self.unobserved.pop(node.failure.seq, None)
             fut._set_exception(node.failure)
         elif node.value is None:
@@ -128,6 +136,16 @@ class History:
                                             f"whose error was not reported"))
         else:
             fut._set_result(_load_value(node.value.value))
+
+    def _earlier_silent_failure(self, seq: int) -> RemoteException | None:
+        """The oldest failure of an output-less op issued before ``seq``, now observed: it
+        is raised by this blocking call, as local torch would have raised it at once."""
+        first = min(self._silent)  # ranks and streams may report out of seq order
+        if first > seq:
+            return None
+        exc = self._silent.pop(first)
+        self.unobserved.pop(first, None)
+        return exc
 
     def pending_futures(self) -> list[Future]:
         return [n.future for n in self._order if n.future is not None]
@@ -163,6 +181,23 @@ class ValueMesh:
 
     def __len__(self) -> int:
         return len(self._values)
+
+    def to_numpy(self):
+        """The values as a numpy array shaped like the mesh, followed by the values' own shape
+        when every value is a number (or a numeric array/tensor) of one shape; otherwise an
+        object array shaped like the mesh."""
+        import numpy as np
+        sizes = list(self.shape.sizes.values())
+        values = [self._values[r] for r in self.shape.ranks()]
+        try:
+            arrays = [np.asarray(v.detach().numpy() if hasattr(v, "detach") else v) for v in values]
+        except (TypeError, ValueError, RuntimeError):
+            arrays = None
+        if arrays and all(a.dtype.kind in "biufc" and a.shape == arrays[0].shape for a in arrays):
+            return np.stack(arrays).reshape(sizes + list(arrays[0].shape))
+        out = np.empty(len(values), dtype=object)
+        out[:] = values
+        return out.reshape(sizes)
 
     def __repr__(self) -> str:
         return f"ValueMesh({self.shape}, {[v for _, v in self]!r})"

@@ -36,7 +36,13 @@ class RemoteException(Exception):
 
 
 class DeviceException(Exception):
-    """The fleet failed: a worker died, stopped answering, or broke the protocol."""
+    """The fleet failed: a worker died, stopped answering, broke its device or the protocol.
+
+    Reported once: ``observed`` turns true when the user is handed it (a fetch, an op on the
+    failed mesh), and the mesh's exit raises it only if nobody was.
+    """
+
+    observed = False
 
 
 def user_call_site(skip_prefixes: Sequence[str]) -> list[traceback.FrameSummary]:

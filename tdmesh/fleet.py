@@ -21,7 +21,7 @@ from typing import Callable
 
 from . import messages as m
 from .client import Client
-from .config import env_float
+from .config import env_float, env_str
 from .errors import DeviceException
 from .rendezvous import new_token, publish_controller
 from .transport import DEFAULT_MAX_FRAME, Connection, ProtocolError
@@ -30,8 +30,7 @@ log = logging.getLogger("tdmesh")
 
 
 def controller_host() -> str:
-    import os
-    host = os.environ.get("TDMESH_CONTROLLER_HOST")
+    host = env_str("TDMESH_CONTROLLER_HOST")
     if host:
         return host
     name = socket.gethostname()
@@ -269,7 +268,7 @@ class Fleet:
             self._stop_processes()
         if unobserved is not None:
             raise unobserved
-        if client.failure is not None and error is None:
+        if client.failure is not None and error is None and not client.failure.observed:
             raise client.failure
 
     def _stop_processes(self) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from .errors import DeviceException
+
 _PENDING = object()
 
 
@@ -61,13 +63,21 @@ class Future:
         """The value; raises the remote error, or ``TimeoutError`` (retryable)."""
         self._wait(timeout)
         if self._exception is not None:
+            self._observed()
             raise self._exception
         return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error this future failed with, or None; ``TimeoutError`` if not done in time."""
         self._wait(timeout)
+        if self._exception is not None:
+            self._observed()
         return self._exception
+
+    def _observed(self) -> None:
+        """The user has seen this future's error: a fleet failure is not raised again at exit."""
+        if isinstance(self._exception, DeviceException):
+            self._exception.observed = True
 
     def add_callback(self, fn: Callable[["Future"], None]) -> None:
         """Call ``fn(self)`` once done (now, if it already is)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import threading
 import sys
 import traceback
@@ -22,6 +23,7 @@ from typing import Iterator
 import torch
 from torch.distributed import TCPStore
 
+from .config import cpu_forced
 from .fleet import Fleet, accept_workers
 from .mesh import DeviceMesh
 from .rendezvous import restart_count
@@ -49,7 +51,7 @@ def describe_failures(processes, log_files: dict) -> str | None:
     for rank, f in sorted(result.failures.items(), key=lambda item: (item[1].timestamp, item[0])):
         how = f"killed by signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
         log = f", log {log_files[rank]}" if log_files.get(rank) else ""
-        parts.append(f"worker rank {rank} (pid {f.pid}{log}) died: {how}")
+        parts.append(f"worker rank {rank} (host {socket.gethostname()}, pid {f.pid}{log}) died: {how}")
     return "; ".join(parts)
 
 
@@ -61,7 +63,7 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
         raise ValueError(f"local_mesh needs hosts >= 1 and gpus_per_host >= 1, got hosts={hosts}, "
                          f"gpus_per_host={gpus_per_host}")
     world = hosts * gpus_per_host
-    cuda = torch.cuda.is_available() and os.environ.get("TDMESH_DEVICE") != "cpu"
+    cuda = torch.cuda.is_available() and not cpu_forced()
     if cuda and device_offset + world > torch.cuda.device_count():
         raise ValueError(f"local_mesh asks for {world} GPU workers but only "
                          f"{torch.cuda.device_count() - device_offset} CUDA devices are free")
@@ -86,8 +88,6 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
     for rank in range(world):
         env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank % gpus_per_host),
                    GROUP_RANK=str(rank // gpus_per_host), TDMESH_DEVICE_INDEX=str(device_offset + rank))
-        if log_dir:
-            env["TDMESH_LOG_FILE"] = os.path.join(log_dir, f"rank{rank}.log")
         envs[rank] = env
     specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL if log_dir else Std.NONE)
     # torch elastic installs SIGINT/SIGTERM handlers in the calling process and never puts

@@ -87,6 +87,12 @@ class DeviceMesh:
         """One dim called ``name`` over every rank; dense meshes only."""
         return self._derive(self._shape.flatten(name))
 
+    def rank_array(self):
+        """The global ranks as a numpy array shaped like the mesh (as torch's ``DeviceMesh.mesh``
+        is a tensor of ranks): ``mesh.rank_array()[h, g]`` is the rank at ``host=h, gpu=g``."""
+        import numpy as np
+        return np.array(self._shape.ranks(), dtype=np.int64).reshape([self.sizes[d] for d in self.names])
+
     def to_table(self) -> str:
         """The rank grid as text: the last dim across, the others down."""
         return self._shape.to_table()

@@ -199,6 +199,18 @@ class RemoteFunctionFailed(NamedTuple):
     traceback: str
 
 
+class WorkerFailed(NamedTuple):
+    """This worker is broken and leaves after sending this: ``function`` (op ``seq``) hit an
+    error that leaves the device unusable (a sticky CUDA error: device-side assert, illegal
+    address), so every later op would fail the same way."""
+    seq: int
+    rank: int
+    function: str
+    exc_type: str
+    message: str
+    traceback: str
+
+
 class Status(NamedTuple):
     """Every seq below ``first_uncompleted`` has finished on ``rank``."""
     rank: int
@@ -213,7 +225,7 @@ class DependentError(NamedTuple):
 CLIENT_TO_WORKER = (CallFunction, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups, DefineRecording, CallRecording,
                     BorrowCreate, BorrowFirstUse, BorrowLastUse,
                     BorrowDrop, DeleteRefs, RequestStatus, CommandGroup, Supervise, Detach, Exit)
-WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, Status)
+WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status)
 
 
 class MeshArg(NamedTuple):

@@ -9,7 +9,6 @@ callable run on meta tensors, or ``"inspect"`` for functions called for side eff
 from __future__ import annotations
 
 import importlib
-import pickle
 import sys
 from typing import Any, Callable
 
@@ -51,16 +50,12 @@ def function_path(fn) -> str | bytes:
                 return f"{module}.{qualname}"
         except (ImportError, AttributeError):
             pass
-    try:
-        import cloudpickle
-    except ImportError:
-        cloudpickle = None
+    import cloudpickle  # ships closures and functions of the user's script (__main__) by value
     try:  # cloudpickle raises TypeError/PicklingError/... for what it cannot pickle: one clear error
-        return (cloudpickle or pickle).dumps(fn)
+        return cloudpickle.dumps(fn)
     except Exception as e:
-        hint = "" if cloudpickle else " or install cloudpickle"
         raise ValueError(f"cannot ship {fn!r} to the workers: it has no import path and does not pickle "
-                         f"({type(e).__name__}: {e}); define it at module level{hint}") from e
+                         f"({type(e).__name__}: {e}); define it at module level") from e
 
 
 class Remote:

@@ -13,12 +13,14 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
+from .config import env_str
+
 SHUTDOWN = "shutdown"
 
 
 def _scope() -> str:
     """Key prefix of this job attempt: explicit under local_mesh, else torchrun's run id and restart."""
-    return os.environ.get("TDMESH_SCOPE") or (
+    return env_str("TDMESH_SCOPE") or (
         f"tdmesh/{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{restart_count()}")
 
 
@@ -29,7 +31,7 @@ def restart_count() -> int:
 
 def store_address() -> tuple[str, int]:
     """Where this process finds the job's c10d store."""
-    spec = os.environ.get("TDMESH_STORE")
+    spec = env_str("TDMESH_STORE")
     if spec:
         host, port = spec.rsplit(":", 1)
         return host, int(port)

@@ -99,7 +99,8 @@ class Supervisor:
         self._warned.add(seq)
         stuck = [r for r, p in sorted(self.progress.items()) if p <= seq]
         first = min(self.progress[r] for r in stuck)
-        message = (f"ranks {', '.join(map(str, stuck))} have operations that have not completed after "
+        named = ", ".join(f"{r} {client.describe(r)}" for r in stuck)
+        message = (f"ranks {named} have operations that have not completed after "
                    f"{params.operation_timeout:g} seconds; the oldest was issued at {client.site_of(first)}")
         if params.fail_on_operation_timeout:
             client.fail_from_supervisor(DeviceException(message + f"\n{client.where_logs()}"))

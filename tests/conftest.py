@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import tdmesh
+from tdmesh.config import cpu_forced, env_str
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,7 +33,7 @@ def mesh1():
 
 def requested_mesh_shape() -> tuple[int, int]:
     """``(hosts, gpus_per_host)`` from ``TDMESH_TEST_MESH=HOSTSxGPUS`` (default ``2x2``)."""
-    spec = os.environ.get("TDMESH_TEST_MESH", "2x2")
+    spec = env_str("TDMESH_TEST_MESH")
     match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", spec)
     if not match or min(int(match[1]), int(match[2])) < 1:
         raise ValueError(f"TDMESH_TEST_MESH={spec!r}: expected HOSTSxGPUS with both >= 1, e.g. 1x2 or 2x1")
@@ -47,7 +48,7 @@ def cmesh(request):
     CPU/gloo).  2x2 is the very ``local_mesh`` call of ``mesh2x2``: that fleet is shared
     rather than a second one started."""
     hosts, gpus = requested_mesh_shape()
-    cuda = torch.cuda.is_available() and os.environ.get("TDMESH_DEVICE") != "cpu"
+    cuda = torch.cuda.is_available() and not cpu_forced()
     if cuda and hosts * gpus > torch.cuda.device_count():
         n = torch.cuda.device_count()
         pytest.fail(f"TDMESH_TEST_MESH={hosts}x{gpus} needs {hosts * gpus} GPUs and this host has {n}: "

@@ -3,6 +3,7 @@ and the next client attaches; a client that exits the mesh ends the job."""
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,14 @@ with tdmesh.attach(endpoint, token) as mesh:
         print("attached", mode, mesh.sizes, tdmesh.fetch_shard(x, host=0, gpu=1).result().tolist(), flush=True)
     if mode == "end":
         mesh.exit()
+    if mode == "lose":  # rank 1 dies; torchrun then stops the job
+        die = tdmesh.remote("os._exit", propagate="inspect")
+        with mesh.activate():
+            die(9)
+            try:
+                tdmesh.fetch_shard(torch.ones(1), host=0, gpu=1).result(timeout=60)
+            except tdmesh.DeviceException as e:
+                print("lost:", e, flush=True)
 """
 
 
@@ -56,6 +65,21 @@ def test_attach_detach_reattach_then_end_the_job(tmp_path):
         assert second.returncode == 0, second.stderr[-2000:]
         assert "attached end" in second.stdout
         assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_lost_worker_is_named_with_its_host_and_pid(tmp_path):
+    """Without a launcher to ask (attach and world_mesh), the client still names the rank,
+    its host and its pid; leaving the block after catching the failure raises nothing."""
+    proc, endpoint, token = _serving_fleet(tmp_path)
+    try:
+        out = _client(tmp_path, endpoint, token, "lose")
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert re.search(rf"lost: worker rank [01] \(host {re.escape(socket.gethostname())}, pid \d+\) was lost",
+                         out.stdout), out.stdout + out.stderr[-2000:]
+        assert proc.wait(timeout=60) != 0  # torchrun reports the dead worker
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -300,6 +300,42 @@ def test_unobserved_failures_are_recorded_until_a_future_receives_them():
     assert "never fetched" in str(h.unobserved[0])
 
 
+def test_an_output_less_failure_goes_to_the_next_future_issued_after_it():
+    h = History([0, 1])
+    early = fut()
+    h.add(0, (), (), site(0), early)             # a fetch issued before the check
+    h.add(1, (), (), site(1))                    # a check op: no outputs, no future
+    h.add(2, (), (12,), site(2))
+    first, second = fut(), fut()
+    h.add(3, (12,), (), site(3), first)          # the next blocking call
+    h.add(4, (12,), (), site(4), second)
+    h.set_value(value(0, "early"), 0)
+    h.set_value(value(3, "first"), 0)
+    h.set_value(value(4, "second"), 0)
+    h.fail(failed(1, rank=1, message="check failed"), frames)
+    h.fail(failed(1, rank=0, message="check failed"), frames)  # every rank reports it: once
+    complete(h, 5, [0, 1])
+    assert early.result() == "early"
+    assert first.exception().message == "check failed" and first.exception().rank == 1
+    assert second.result() == "second"           # raised once: later fetches work
+    assert not h.unobserved                      # and the mesh's exit has nothing to raise
+
+
+def test_the_oldest_output_less_failure_goes_first():
+    h = History([0])
+    h.add(0, (), (), site(0))
+    h.add(1, (), (), site(1))
+    futures = [fut(), fut()]
+    h.add(2, (), (), site(2), futures[0])
+    h.add(3, (), (), site(3), futures[1])
+    for s in (2, 3):
+        h.set_value(value(s, s), 0)
+    h.fail(failed(1, message="second check"), frames)  # reported out of seq order
+    h.fail(failed(0, message="first check"), frames)
+    complete(h, 4, [0])
+    assert [f.exception().message for f in futures] == ["first check", "second check"]
+
+
 def test_failure_of_an_unknown_seq_is_kept_as_unobserved():
     h = History([0])
     h.fail(failed(41, rank=0), frames)

@@ -4,8 +4,10 @@ Skipped without CUDA; run on a GPU host with `python -m pytest -q -m gpu tests/t
 """
 
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -159,3 +161,64 @@ def test_communication_and_compute_overlap_on_two_streams(gpu_mesh):
     assert comm_start < compute_end and comm_end > compute_start, times
     overlap = min(comm_end, compute_end) - max(comm_start, compute_start)
     assert overlap > 0.25 * min(comm_end - comm_start, compute_end - compute_start), times
+
+
+# ----------------------------------------------------------------------------- the error contract on CUDA
+@pytest.mark.parametrize("launch_blocking", [False, True], ids=["async", "CUDA_LAUNCH_BLOCKING"])
+def test_sticky_cuda_error_ends_the_worker_with_a_device_exception(monkeypatch, launch_blocking):
+    """An out-of-range index_select trips a device-side assert: the worker's CUDA context is
+    unusable, so it reports a DeviceException (op, user's line, rank, host) and leaves non-zero."""
+    if launch_blocking:  # the workers inherit it: the faulting op itself reports the error
+        monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh:  # a fleet of its own: it breaks
+        pid = mesh.client.hellos[0].pid
+        with mesh.activate():
+            x = torch.arange(4.0)
+            line = sys._getframe().f_lineno + 1
+            bad = x.index_select(0, torch.tensor([7]))
+            fetch_line = sys._getframe().f_lineno + 2
+            with pytest.raises(tdmesh.DeviceException) as err:
+                tdmesh.inspect(bad)
+            with pytest.raises(tdmesh.DeviceException):
+                torch.ones(1) + 1  # the mesh stays failed
+        result = None
+        deadline = time.monotonic() + 10
+        while result is None and time.monotonic() < deadline:
+            result = mesh._fleet.processes.wait(timeout=0)
+            time.sleep(0.05)
+    text = str(err.value)
+    assert "device-side assert" in text, text
+    assert f"worker rank 0 (host {socket.gethostname()}, pid {pid})" in text, text
+    assert f'File "{__file__}", line {line if launch_blocking else fetch_line}' in text, text
+    if launch_blocking:
+        assert "index_select" in text, text
+    assert result is not None and result.failures[0].exitcode not in (0, None), result  # left by itself
+
+
+NO_MESH_SCRIPT = """
+import os, subprocess, torch, tdmesh
+with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh, mesh.activate():
+    remote_ones = torch.ones(2)
+    with tdmesh.no_mesh.activate():
+        local = torch.ones(2) * 3
+    print("devices", remote_ones.device.type, local.device.type, flush=True)
+    print("value", tdmesh.inspect(remote_ones).tolist(), local.tolist(), flush=True)
+    # A process with a CUDA context is a compute app of the GPU (torch's lazy init is not one)
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    print("worker has a context", str(mesh.client.hellos[0].pid) in apps, flush=True)
+    print("client has a context", str(os.getpid()) in apps, flush=True)
+"""
+
+
+def test_no_mesh_inside_a_gpu_mesh_stays_on_the_clients_device(tmp_path):
+    script = tmp_path / "no_mesh.py"
+    script.write_text(NO_MESH_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, PYTHONPATH=root))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "devices cuda cpu" in out.stdout
+    assert "value [1.0, 1.0] [3.0, 3.0]" in out.stdout
+    assert "worker has a context True" in out.stdout  # the probe can see contexts
+    assert "client has a context False" in out.stdout

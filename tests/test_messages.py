@@ -40,6 +40,8 @@ SAMPLES = {
     m.FetchResult: m.FetchResult(12, None, m.DependentError(10)),
     m.RemoteFunctionFailed: m.RemoteFunctionFailed(13, 1, "ValueError", "bad value",
                                                    "Traceback (most recent call last):\n  ...\nValueError: bad value"),
+    m.WorkerFailed: m.WorkerFailed(16, 2, "torch.ops.aten.index_select.default", "AcceleratorError",
+                                   "CUDA error: device-side assert triggered", "Traceback ..."),
     m.Status: m.Status(1, 14),
 }
 
@@ -68,6 +70,7 @@ FIELDS = {
     m.Hello: ("rank", "token", "hostname", "pid", "device", "log"),
     m.FetchResult: ("seq", "value", "error"),
     m.RemoteFunctionFailed: ("seq", "rank", "exc_type", "message", "traceback"),
+    m.WorkerFailed: ("seq", "rank", "function", "exc_type", "message", "traceback"),
     m.Status: ("rank", "first_uncompleted"),
     m.DependentError: ("seq",),
     m.MeshArg: ("shape",),
@@ -91,7 +94,8 @@ def test_direction_tables_are_exactly_the_documented_records():
                                   m.DefineRecording, m.CallRecording, m.BorrowCreate, m.BorrowFirstUse,
                                   m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs, m.RequestStatus, m.CommandGroup,
                                   m.Supervise, m.Detach, m.Exit)
-    assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.Status)
+    assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.WorkerFailed,
+                                  m.Status)
     assert set(m.CLIENT_TO_WORKER).isdisjoint(m.WORKER_TO_CLIENT)
     assert set(SAMPLES) == set(m.CLIENT_TO_WORKER) | set(m.WORKER_TO_CLIENT)
 

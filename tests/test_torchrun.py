@@ -28,6 +28,8 @@ def test_help_explains_the_modes():
     out = run([sys.executable, "-m", "tdmesh.worker", "--help"])
     assert out.returncode == 0
     assert "torchrun" in out.stdout and "--serve" in out.stdout and "world_mesh" in out.stdout
+    assert "``" not in out.stdout and ":func:" not in out.stdout  # terminal text, no reST markup
+    assert "attach(endpoint, token)" in out.stdout and "internal" in out.stdout
 
 
 def test_worker_outside_torchrun_says_how_to_launch():

@@ -2,10 +2,10 @@
 
     torchrun --nproc_per_node 8 -m tdmesh.worker train.py --lr 3e-4
 
-Rank 0 starts ``train.py`` (as ``__main__``, with its own argv) in a client process of its
-own before touching CUDA, so the client never shares a GIL with worker 0 and torchelastic
-still watches exactly one process per rank.  The job's exit code is the script's.
-Without a script the workers serve whatever controller the job's store announces.
+Rank 0 starts train.py (as __main__, with its own argv) in a client process of its own
+before touching CUDA, so the client never shares a GIL with worker 0 and torchelastic still
+watches exactly one process per rank.  Rank 0 exits with the script's exit code; torchrun
+itself exits 1 whenever a rank fails, and its root-cause summary shows rank 0's code.
 """
 
 from __future__ import annotations
@@ -20,20 +20,24 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 HELP = __doc__ + """
 modes:
-  torchrun [flags] -m tdmesh.worker SCRIPT [ARGS...]   workers on every rank, SCRIPT on rank 0
-  torchrun [flags] -m tdmesh.worker                     attach mode: workers wait for clients,
-                                                        tdmesh.attach(endpoint, token) from anywhere
-  torchrun [flags] -m tdmesh.worker --serve             workers for one controller (tdmesh.local_mesh uses this)
+  torchrun [flags] -m tdmesh.worker SCRIPT [ARGS...]
+      a worker on every rank; SCRIPT runs on rank 0, where tdmesh.world_mesh() is the mesh
+      of every rank, dims ("host", "gpu")
+  torchrun [flags] -m tdmesh.worker
+      attach mode: the workers wait for clients; rank 0 prints the endpoint and token for
+      tdmesh.attach(endpoint, token), from a notebook or any process that reaches the store
+  python -m tdmesh.worker --serve
+      internal: the worker process that tdmesh.local_mesh starts (not for torchrun)
 
-Inside SCRIPT, tdmesh.world_mesh() is the mesh of every rank, dims ("host", "gpu").
-environment: TDMESH_BACKEND (nccl|gloo), TDMESH_LOG_LEVEL; see tdmesh/config.py.
+environment: TDMESH_BACKEND (nccl|gloo), TDMESH_DEVICE=cpu, TDMESH_LOG_LEVEL, TDMESH_LOG_FILE;
+every TDMESH_* variable, with its default, is listed in tdmesh/config.py.
 """
 
 
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="python -m tdmesh.worker", description=HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--serve", action="store_true", help="run a worker and no script")
+    parser.add_argument("--serve", action="store_true", help="internal: a tdmesh.local_mesh worker")
     parser.add_argument("script", nargs="?", help="the client script, run on rank 0 as __main__")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser.parse_args(argv)

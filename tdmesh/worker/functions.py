@@ -42,10 +42,7 @@ def resolve(function: Any) -> Callable:
 
 
 def _loads(data: bytes):
-    try:
-        import cloudpickle  # noqa: F401  (cloudpickled payloads unpickle with plain pickle once it is importable)
-    except ImportError:
-        pass
+    import cloudpickle  # noqa: F401  (cloudpickled payloads unpickle with plain pickle once it is importable)
     return pickle.loads(data)
 
 

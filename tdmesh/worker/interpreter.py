@@ -74,8 +74,10 @@ class Interpreter:
     current: "Interpreter | None" = None  # this process's interpreter, for builtins that report on it
 
     def __init__(self, rank: int, device: torch.device, send: Callable[[Any], None], *,
-                 world_size: int = 1, threaded: bool = False) -> None:
+                 world_size: int = 1, threaded: bool = False,
+                 on_fatal: Callable[[], None] | None = None) -> None:
         Interpreter.current = self
+        self._wake = on_fatal  # wakes the message loop, which then leaves
         self.rank = rank
         self.device = device
         self.send = send
@@ -110,6 +112,8 @@ class Interpreter:
     def _on_fatal(self, error: BaseException) -> None:
         if self.fatal is None:
             self.fatal = error
+            if self._wake is not None:
+                self._wake()
 
     # -- routing (message thread) -----------------------------------------------------------
     def handle(self, msg) -> None:
@@ -391,10 +395,33 @@ class Interpreter:
     def _fail(self, env: dict, seq, results, mutates, error: BaseException, function) -> None:
         self.caused_error = True
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        name = function if isinstance(function, str) else getattr(error, "__qualname__", "a pickled function")
+        name = function if isinstance(function, str) else getattr(function, "__qualname__", "a pickled function")
+        self._poison(env, results, mutates, Poison(seq, f"{type(error).__name__}: {error}"))
+        if device_is_broken(self.device, error):
+            log.error("seq %s on worker %s running %s broke the device; leaving:\n%s", seq, self.rank, name, tb)
+            self.send(m.WorkerFailed(seq, self.rank, name, type(error).__name__, str(error), tb))
+            self._on_fatal(DeviceBroken(f"{type(error).__name__}: {error}"))
+            return
         log.debug("seq %s failed on worker %s running %s:\n%s", seq, self.rank, name, tb)
         self.send(m.RemoteFunctionFailed(seq, self.rank, type(error).__name__, str(error), tb))
-        self._poison(env, results, mutates, Poison(seq, f"{type(error).__name__}: {error}"))
+
+
+class DeviceBroken(RuntimeError):
+    """This worker's device can no longer run anything (a sticky CUDA error)."""
+
+
+def device_is_broken(device: torch.device, error: BaseException) -> bool:
+    """Whether ``error`` left ``device`` unusable.  A device-side assert or an illegal address
+    poisons the CUDA context for good; other CUDA errors (a bad launch configuration) do
+    not.  Only a new round trip through the device tells the two apart."""
+    if device.type != "cuda" or not (isinstance(error, getattr(torch, "AcceleratorError", RuntimeError)) or "CUDA error" in str(error)):
+        return False
+    try:
+        torch.cuda.synchronize(device)
+        torch.zeros(1, device=device).add_(1).item()
+    except Exception:  # noqa: BLE001 - whatever the broken context raises
+        return True
+    return False
 
 
 def _event_on(stream: Stream):

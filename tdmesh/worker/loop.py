@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -14,24 +15,37 @@ import torch
 import torch.distributed as dist
 
 from .. import messages as m
-from ..config import env_float, env_int, env_str
+from ..config import cpu_forced, env_float, env_int, env_str
 from ..rendezvous import _scope, connect_store, read_controller, store_address
 from ..transport import ProtocolError, connect
-from .interpreter import Interpreter, ProtocolViolation
+from .interpreter import DeviceBroken, Interpreter, ProtocolViolation
 
 log = logging.getLogger("tdmesh.worker")
 
 
 def configure_logging() -> None:
-    level = env_str("TDMESH_LOG_LEVEL", "WARNING")
-    logging.basicConfig(level=level, format="[tdmesh worker %(process)d] %(levelname)s %(message)s")
+    """tdmesh's worker log goes to stderr, and also to ``TDMESH_LOG_FILE`` when it is set."""
+    level = env_str("TDMESH_LOG_LEVEL")
+    fmt = "[tdmesh worker %(process)d] %(levelname)s %(message)s"
+    logging.basicConfig(level=level, format=fmt)
+    path = log_file()
+    if path:
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter("%(asctime)s " + fmt))
+        logging.getLogger("tdmesh").addHandler(handler)
+
+
+def log_file() -> str | None:
+    """This worker's ``TDMESH_LOG_FILE`` (``{rank}`` filled in), or None."""
+    path = env_str("TDMESH_LOG_FILE")
+    return path.replace("{rank}", os.environ.get("RANK", "0")) if path else None
 
 
 def pick_device() -> torch.device:
     """``cuda:i`` for this rank when CUDA is present (one GPU per worker), else the CPU."""
-    if env_str("TDMESH_DEVICE", "") == "cpu" or not torch.cuda.is_available():
+    if cpu_forced() or not torch.cuda.is_available():
         return torch.device("cpu")
-    index = int(os.environ.get("TDMESH_DEVICE_INDEX", os.environ.get("LOCAL_RANK", "0")))
+    index = int(env_str("TDMESH_DEVICE_INDEX") or os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -46,7 +60,7 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
     world_size = int(os.environ["WORLD_SIZE"])
     _leave_with_the_client()
     device = pick_device()
-    backend = env_str("TDMESH_BACKEND", "") or ("nccl" if device.type == "cuda" else "gloo")
+    backend = env_str("TDMESH_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
     store = connect_store()
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, store=dist.PrefixStore(_scope() + "/pg", store), rank=rank,
@@ -71,14 +85,14 @@ def _leave_with_the_client() -> None:
     closed connection ends the worker; before that (connecting to the client's store, joining
     the process group) nothing would, and the store connect retries for half an hour: a
     client killed during startup would leave orphans.  So watch the parent from the start."""
-    if not os.environ.get("TDMESH_SCOPE"):
+    if not env_str("TDMESH_SCOPE"):
         return  # under torchrun the elastic agent owns the worker's life
     parent = os.getppid()
 
     def leave() -> None:
         log.error("rank %s: the client process is gone; leaving", os.environ.get("RANK"))
         sys.stderr.flush()
-        os._exit(env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1))
+        os._exit(env_int("TDMESH_PEER_ERROR_EXIT_CODE"))
 
     if _store_refuses():  # the client (which hosts the store) died while this process was starting
         leave()
@@ -132,38 +146,47 @@ def _serve(rank: int, device: torch.device, conn, token: str, report_detach: boo
 
 
 def _session(rank: int, device: torch.device, conn, token: str) -> tuple[int, bool, bool]:
-    conn.send_messages([m.Hello(rank, token, socket.gethostname(), os.getpid(), str(device),
-                                os.environ.get("TDMESH_LOG_FILE"))])
+    conn.send_messages([m.Hello(rank, token, socket.gethostname(), os.getpid(), str(device), log_file())])
     send_lock = threading.Lock()
 
     def send(msg) -> None:  # called from any stream thread
         with send_lock:
             conn.send_messages([msg])
 
-    interp = Interpreter(rank, device, send, world_size=int(os.environ["WORLD_SIZE"]), threaded=True)
+    def stop_reading() -> None:  # a stream thread found this worker broken: end the message loop
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RD)
+
+    interp = Interpreter(rank, device, send, world_size=int(os.environ["WORLD_SIZE"]), threaded=True,
+                         on_fatal=stop_reading)
     try:
         while interp.exit_request is None:
             msgs = conn.recv_messages()
+            if isinstance(interp.fatal, DeviceBroken):
+                break
             if msgs is None:
                 log.error("rank %d: the controller closed the connection without Exit; leaving", rank)
-                return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1), False, False
+                return env_int("TDMESH_PEER_ERROR_EXIT_CODE"), False, False
             for msg in msgs:
                 interp.handle(msg)
-            if interp.fatal is not None:
+            if interp.fatal is not None and not isinstance(interp.fatal, DeviceBroken):
                 raise interp.fatal
     except (ProtocolError, ProtocolViolation, ConnectionError) as e:
         log.error("rank %d: %s", rank, e)
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1), False, False
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
     finally:
         conn.close()
+    if isinstance(interp.fatal, DeviceBroken):  # reported to the client as WorkerFailed
+        log.error("rank %d: %s; the device is unusable, leaving", rank, interp.fatal)
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
     if type(interp.exit_request) is m.Detach:
         return 0, True, True
     if interp.exit_request.error is None:
         return 0, True, False
     if interp.caused_error:
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE", 1), True, False
-    if rank != 0 and not os.environ.get("TDMESH_SCOPE"):
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), True, False
+    if rank != 0 and not env_str("TDMESH_SCOPE"):
         # Under torchrun, let rank 0 (which exits with the script's own code) be the first
         # failure torchrun observes, so its summary names the script as the root cause.
-        time.sleep(env_float("TDMESH_PEER_EXIT_DELAY", 2.0))
-    return env_int("TDMESH_PEER_ERROR_EXIT_CODE", 1), True, False
+        time.sleep(env_float("TDMESH_PEER_EXIT_DELAY"))
+    return env_int("TDMESH_PEER_ERROR_EXIT_CODE"), True, False
