@@ -21,13 +21,15 @@ from bench import helpers as h  # noqa: E402
 def main() -> int:
     h.ensure_importable_by_workers()
     import torch
+
     import tdmesh
     if not torch.cuda.is_available():
         print("bench.cuda_graph needs CUDA", file=sys.stderr)
         return 2
     n, shape = 10_000, (100, 100)
     with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh, mesh.activate():
-        probe = tdmesh.remote("bench.helpers.graph_vs_eager", propagate=lambda n, s: torch.empty(2, dtype=torch.float64))
+        probe = tdmesh.remote("bench.helpers.graph_vs_eager",
+                              propagate=lambda n, s: torch.empty(2, dtype=torch.float64))
         eager, replay = tdmesh.fetch_shard(probe(n, shape)).result().tolist()
         local, ones = torch.zeros(shape), torch.ones(shape)
         t0 = time.perf_counter()
@@ -37,7 +39,8 @@ def main() -> int:
         dispatched = time.perf_counter() - t0
     print(f"{n:,} dependent adds of {shape[0]}x{shape[1]} fp32 on one GPU worker (torch {torch.__version__}):")
     print(f"  eager on the worker          {eager * 1e3:8.2f} ms   {n / eager:12,.0f} ops/s")
-    print(f"  CUDA graph replay (worker)   {replay * 1e3:8.2f} ms   {n / replay:12,.0f} ops/s   {eager / replay:5.1f}x eager")
+    print(f"  CUDA graph replay (worker)   {replay * 1e3:8.2f} ms   {n / replay:12,.0f} ops/s   "
+          f"{eager / replay:5.1f}x eager")
     print(f"  dispatched from the client   {dispatched * 1e3:8.2f} ms   {n / dispatched:12,.0f} ops/s")
     return 0
 

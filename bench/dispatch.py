@@ -41,7 +41,8 @@ def _parse(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=None, help="loop length N (default 10000; 500 with --quick)")
     p.add_argument("--workers", type=int, default=2, help="workers for section (7) (default 2; 0 or 1 skips it)")
-    p.add_argument("--fetches", type=int, default=None, help="fetch round trips for (4) (default 500; 100 with --quick)")
+    p.add_argument("--fetches", type=int, default=None,
+                   help="fetch round trips for (6) (default 500; 100 with --quick)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per section (default 3)")
     p.add_argument("--quick", action="store_true", help="small N for a CI smoke run")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -115,6 +116,7 @@ def bench_coalesced(mesh, n: int, repeats: int) -> list[float]:
 def bench_compiled(mesh, n: int, repeats: int, body: int) -> list[float]:
     """(5) a compiled function doing ``body`` adds, called n/body times: one message per call."""
     import torch
+
     import tdmesh
 
     @tdmesh.compile
@@ -139,6 +141,7 @@ def bench_compiled(mesh, n: int, repeats: int, body: int) -> list[float]:
 
 def bench_remote_function(mesh, n: int, repeats: int) -> list[float]:
     import torch
+
     import tdmesh
     device = mesh.client.device.type
     run_loop = tdmesh.remote("bench.helpers.run_loop_local",
@@ -157,6 +160,7 @@ def bench_remote_function(mesh, n: int, repeats: int) -> list[float]:
 
 def bench_fetch_rtt(mesh, fetches: int):
     import torch
+
     import tdmesh
     warm = max(20, fetches // 10)
     with mesh.activate():
@@ -265,7 +269,8 @@ def main(argv=None) -> int:
     h.print_table(["", "median", "p99", "min"], [
         ["tdmesh fetch_shard(t).result()", h.fmt_us(f_med), h.fmt_us(f_p99), h.fmt_us(min(fetch_times))],
         ["raw pickle+framed TCP echo", h.fmt_us(r_med), h.fmt_us(r_p99), h.fmt_us(min(raw_times))],
-        ["ratio fetch / raw", f"{f_med / r_med:.2f}x", f"{f_p99 / r_p99:.2f}x", f"{min(fetch_times) / min(raw_times):.2f}x"],
+        ["ratio fetch / raw", f"{f_med / r_med:.2f}x", f"{f_p99 / r_p99:.2f}x",
+         f"{min(fetch_times) / min(raw_times):.2f}x"],
         [f"raw framed TCP echo, {blob_len} B bytes", h.fmt_us(statistics.median(bytes_times)),
          h.fmt_us(h.percentile(bytes_times, 99)), h.fmt_us(min(bytes_times))],
     ])

@@ -13,7 +13,7 @@ import statistics
 import struct
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,7 +89,7 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
 
 def machine_line() -> str:
     try:
-        load = "load average %.2f %.2f %.2f" % os.getloadavg()
+        load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     except OSError:
         load = "load average n/a"
     return f"{os.cpu_count()} CPUs, {load}, python {sys.version.split()[0]}"

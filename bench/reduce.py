@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -64,6 +63,7 @@ def main(argv=None) -> None:
         os.environ["TDMESH_DEVICE"] = "cpu"
     os.environ.setdefault("PYTHONPATH", h.REPO_ROOT)
     import torch
+
     import tdmesh
     max_bytes = args.max_bytes or (1 << 30 if args.device == "cuda" else 16 << 20)
     if args.quick:

@@ -45,7 +45,9 @@ def main(argv=None) -> None:
     ddp_s = float(line.split()[1])
 
     import torch
+
     import tdmesh
+
     from nanogpt import GPT, GPTConfig, encode
     sys.path.insert(0, os.path.join(ROOT, "tutorials"))
     train = __import__("runpy").run_path(os.path.join(ROOT, "tutorials", "05_train.py"))

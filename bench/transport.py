@@ -59,13 +59,13 @@ class TcpSide:
         return srv, srv.getsockname()[1]
 
     @classmethod
-    def accept(cls, srv) -> "TcpSide":
+    def accept(cls, srv) -> TcpSide:
         from tdmesh.transport import Connection
         sock, _ = srv.accept()
         return cls(Connection(sock))
 
     @classmethod
-    def connect(cls, port: int) -> "TcpSide":
+    def connect(cls, port: int) -> TcpSide:
         from tdmesh.transport import connect
         return cls(connect("127.0.0.1", port))
 
@@ -87,7 +87,7 @@ class ZmqSide:
         self.sock = sock
 
     @classmethod
-    def bind(cls) -> tuple["ZmqSide", int]:
+    def bind(cls) -> tuple[ZmqSide, int]:
         import zmq
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PAIR)
@@ -96,7 +96,7 @@ class ZmqSide:
         return cls(ctx, sock), port
 
     @classmethod
-    def connect(cls, port: int) -> "ZmqSide":
+    def connect(cls, port: int) -> ZmqSide:
         import zmq
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PAIR)
@@ -303,7 +303,8 @@ def main(argv=None) -> int:
     print(f"\n  small messages: {args.messages:,} CallFunction pickles of {tcp['msg_size']:.0f} B on average "
           f"({tcp['small_bytes'] / 1e6:.2f} MB); batched = {tcp['n_batches']} frames of ~256 KiB")
     print(f"  large: {args.mib} x 1 MiB; throughput runs: best and median of {args.repeats} after a warm-up; "
-          f"latency: {args.round_trips:,} round trips per size after a warm-up;\n  every measurement alternates between the transports\n")
+          f"latency: {args.round_trips:,} round trips per size after a warm-up;\n"
+          f"  every measurement alternates between the transports\n")
 
     headers = ["measurement", "tdmesh TCP"] + (["pyzmq PAIR", "zmq / TCP"] if "zmq" in results else [])
     rows = []

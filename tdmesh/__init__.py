@@ -5,28 +5,32 @@
         print(tdmesh.fetch_shard(x, host=0, gpu=1).result())
 """
 
-from .slice import Slice
-from .shape import Shape, UnknownDimError
-from .mesh import DeviceMesh
-from ._context import get_active_mesh, no_mesh
-from .errors import DeviceException, RemoteException
-from .config import ControllerParams, SupervisionParams
-from .future import Future
-from .tensor import Tensor
-from .remote import Remote, RemoteProcessGroup, remote
-from .stream import Borrow, Stream, get_active_stream
-from ._coalescing import coalescing
-from .recording import compile
-from .profiling import profile
-from .collectives import MeshSliceTensor, reduce, reduce_, slice_mesh, to_mesh
-from .fetch import call_on_shard_and_fetch, fetch_all, fetch_shard, inspect, show
-from .launcher import attach, local_mesh, local_meshes, restart_count, world_mesh
 from . import random
+from ._coalescing import coalescing
+from ._context import get_active_mesh
+from .activation import no_mesh
+from .borrow import Borrow
+from .collectives import MeshSliceTensor, reduce, reduce_, slice_mesh, to_mesh
+from .config import ControllerParams, SupervisionParams
+from .errors import DeviceException, PlacementError, RemoteException, TdmeshError
+from .fetch import fetch_all, fetch_shard, inspect, show
+from .future import Future, ValueMesh
+from .launcher import attach, local_mesh, local_meshes, restart_count, world_mesh
+from .mesh import DeviceMesh, RemoteProcessGroup
+from .profiling import profile
+from .recording import compile
+from .remote import Remote, call_on_shard_and_fetch, remote
+from .shape import Shape, UnknownDimError
+from .slice import Slice
+from .stream import Stream, get_active_stream
+from .tensor import Tensor
 
 __all__ = [
     "Slice", "Shape", "UnknownDimError", "DeviceMesh", "get_active_mesh", "no_mesh",
-    "DeviceException", "RemoteException", "ControllerParams", "SupervisionParams", "Future", "Tensor", "Remote", "remote",
+    "TdmeshError", "DeviceException", "RemoteException", "PlacementError", "ValueMesh", "ControllerParams",
+    "SupervisionParams", "Future", "Tensor", "Remote", "remote",
     "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
-    "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all", "show", "attach", "random",
+    "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all",
+    "show", "attach", "random",
 ]

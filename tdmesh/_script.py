@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from .launcher import connect_world
 
 
 @record
@@ -14,10 +17,9 @@ def main() -> int:
     """Run the script; an exception it raises is re-raised after the fleet is down, so that
     ``@record`` writes torchrun's error file and torchrun's summary names it as the root cause."""
     script, args = sys.argv[1], sys.argv[2:]
-    from .launcher import _connect_world
-    fleet = _connect_world()
+    fleet = connect_world()
     sys.argv = [script, *args]
-    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(script)))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     code, error, failure = 0, None, None
     try:
         runpy.run_path(script, run_name="__main__")
@@ -30,7 +32,7 @@ def main() -> int:
         code, error, failure = 1, f"the script raised {type(e).__name__}: {e}", e
     try:
         fleet.exit(error)
-    except BaseException:  # an unobserved remote error
+    except BaseException:  # noqa: BLE001 - an unobserved remote error: printed, then the exit code says it
         traceback.print_exc()
         code = code or 1
     if failure is not None:

@@ -1,10 +1,13 @@
 """The client: owns the connections to one fleet, sends batches, and pumps replies.
 
-The controller loop lives here, in the user's process: ops are pickled once and appended
-to the send buffer of every rank of their mesh; buffers go out when they grow, when a
-value is awaited, or shortly after the user stops issuing ops.  A reader thread turns
-worker frames into inbox messages; the user's thread applies them to the history when it
-waits (``pump``), so the history needs no lock of its own beyond the client's.
+This runs in the user's process (the client process; torchrun's rank 0 spawns it).  Ops
+arrive from :func:`tdmesh.issue.issue` at ``sink.submit``: the client itself is the sink,
+except while a compiled function is traced.  Each op is recorded in the dataflow history,
+pickled once and appended to the send buffer of every rank it goes to; buffers go out when
+they grow, when a value is awaited, or shortly after the user stops issuing ops.  A reader
+thread turns worker frames into inbox messages; the user's thread applies them (one
+handler per worker->client message) when it waits (``pump``), so the history needs no lock
+of its own beyond the client's.
 """
 
 from __future__ import annotations
@@ -14,19 +17,19 @@ import queue
 import selectors
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
 from . import _coalescing as coalescing
 from . import messages as m
 from .config import ControllerParams, SupervisionParams
-from .controller import History
-from .errors import DeviceException
+from .errors import DeviceException, ProtocolError, UsageError, call_site, frames, site_text
 from .future import Future
-from .supervisor import FleetFailure, Supervisor
-from .tensor import call_site, frames, site_text
-from .transport import Connection, ProtocolError, encode
+from .history import History
+from .supervisor import FleetFailure, FleetInfo, Supervisor
+from .transport import Connection, encode
 
 log = logging.getLogger("tdmesh")
 
@@ -34,8 +37,9 @@ _FLUSH_BYTES = 256 * 1024
 _FLUSH_INTERVAL = 0.002
 
 
-class WorkerLost(Exception):
-    pass
+class WorkerLost(NamedTuple):
+    """Inbox item: a worker's connection closed; ``why`` says how, where known."""
+    why: str
 
 
 class Client:
@@ -46,7 +50,7 @@ class Client:
         self.lock = threading.RLock()
         self.conns = conns
         self.hellos = hellos
-        self.log_dir = log_dir
+        self.info = FleetInfo(hellos, log_dir, process_failure)
         self.ranks = sorted(conns)
         device = hellos[self.ranks[0]].device
         self.device = torch.device("cuda", 0) if device.startswith("cuda") else torch.device("cpu")
@@ -58,13 +62,12 @@ class Client:
         self._last_flush = time.monotonic()
         self._deletes: dict[object, tuple] = {}   # ranks slice -> (mesh, [refs])
         self._groups: dict = {}                   # CreateGroups key -> id, for keys already sent
-        self.recorder = None                      # set while a compiled function is traced
+        self.sink = self                          # where issued ops go: a Recorder while tracing
         self.history = History(self.ranks)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.failure: DeviceException | None = None
         self.closed = False
         self._on_shutdown = on_shutdown
-        self._process_failure = process_failure
         self.exiting = False
         self.supervision = supervision or SupervisionParams.from_env()
         self.controller = controller or ControllerParams.from_env()
@@ -74,7 +77,10 @@ class Client:
         self._reader.start()
         self._flusher = threading.Thread(target=self._flush_loop, name="tdmesh-flusher", daemon=True)
         self._flusher.start()
-        self.send_all(m.Supervise(self.supervision.heartbeat_interval), setup=True)
+        self._handlers: dict[type, Callable[[int, Any], None]] = {
+            m.Status: self.Status, m.FetchResult: self.FetchResult, m.RemoteFunctionFailed: self.RemoteFunctionFailed,
+            WorkerLost: self.WorkerLost, FleetFailure: self.FleetFailure}
+        self.send_setup(m.Supervise(self.supervision.heartbeat_interval))
         self.flush()
 
     # -- ids -------------------------------------------------------------------------------
@@ -88,35 +94,32 @@ class Client:
         self._next_seq = seq + 1
         return seq
 
+    @property
+    def last_seq(self) -> int:
+        """The seq of the op issued last."""
+        return self._next_seq - 1
+
     # -- sending ---------------------------------------------------------------------------
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """Raise the fleet's failure (now observed) or refuse an exited mesh."""
         if self.failure is not None:
             self.failure.observed = True
             raise self.failure
         if self.closed:
-            raise RuntimeError("this mesh has exited; its tensors can no longer be used")
+            raise UsageError("this mesh has exited; its tensors can no longer be used")
 
-    def send(self, mesh, msg, seq: int | None = None, uses=(), defs=(), future: Future | None = None,
-             ranks=None, deletes_first: bool = False, setup: bool = False) -> None:
-        """Queue ``msg`` for every rank of ``mesh`` (or ``ranks``) and record it in the history.
-
-        Frees of dead proxies are batched into one DeleteRefs per flush (ref ids are never
-        reused, so a late free is safe); ``deletes_first`` sends them ahead of ``msg``.
-        """
+    def submit(self, ranks, msg, seq: int | None = None, uses=(), defs=(), future: Future | None = None,
+               inputs=(), deletes_first: bool = False) -> None:
+        """The sink's one method: record op ``seq`` (if any) in the history and queue ``msg``
+        for ``ranks``.  Frees of dead proxies are batched into one DeleteRefs per flush (ref
+        ids are never reused, so a late free is safe); ``deletes_first`` sends them first."""
         with self.lock:
-            self._check_usable()
-            if self.recorder is not None and not setup:  # tracing a compiled function
-                self.recorder.add(mesh.rank_list if ranks is None else tuple(ranks), msg, uses, defs)
-                return
+            self.check_usable()
             if deletes_first and self._deletes:
                 self._queue_deletes()
             if seq is not None:
                 self.history.add(seq, uses, defs, call_site(), future)
-            data = encode(msg)
-            buffers = self._buffers
-            for r in (mesh.rank_list if ranks is None else ranks):
-                buffers[r].append(data)
-            self._buffered_bytes += len(data)
+            self._queue(ranks, encode(msg))
             if seq is not None:
                 self._ops_since_probe += 1
                 if self._ops_since_probe >= self.controller.ops_per_progress_request:
@@ -125,6 +128,22 @@ class Client:
                 coalescing.clients().add(self)
             elif self._buffered_bytes > _FLUSH_BYTES or time.monotonic() - self._last_flush > _FLUSH_INTERVAL:
                 self.flush()
+
+    def made(self, proxies) -> None:
+        """The sink hears of the proxies an op made (a Recorder keeps them; sending does not)."""
+
+    def send_setup(self, msg, ranks=None) -> None:
+        """A message that sets the fleet up (groups, recordings, supervision): never part of a
+        compiled function, so it bypasses the sink."""
+        with self.lock:
+            self.check_usable()
+            self._queue(self.ranks if ranks is None else ranks, encode(msg))
+
+    def _queue(self, ranks, data: bytes) -> None:
+        buffers = self._buffers
+        for r in ranks:
+            buffers[r].append(data)
+        self._buffered_bytes += len(data)
 
     def _queue_probe(self, seq: int) -> None:
         """A RequestStatus after ``seq``: progress for the supervisor and completion for the
@@ -159,9 +178,6 @@ class Client:
                 return
             self._apply(rank, msg)
 
-    def send_all(self, msg, setup: bool = False) -> None:
-        self.send(None, msg, ranks=self.ranks, setup=setup)
-
     def ensure_groups(self, kind: str, stream: int, mesh=None, dims: tuple = (), ref=None,
                       to_stream=None) -> int:
         """Have every rank create the process groups of this key, once; returns the key's id."""
@@ -172,7 +188,7 @@ class Client:
                 found = self._groups.get(key)
                 if found is None:
                     found = self._groups[key] = len(self._groups) + 1
-                    self.send_all(m.CreateGroups(kind, stream, mesh, dims, ref, to_stream, found), setup=True)
+                    self.send_setup(m.CreateGroups(kind, stream, mesh, dims, ref, to_stream, found))
         return found
 
     def delete_ref(self, ref: int, mesh) -> None:
@@ -217,7 +233,7 @@ class Client:
                     except OSError as e:
                         # A dead process shows first as a broken pipe; the launcher's exit code
                         # or signal, when it comes within a moment, says more.
-                        self._lost(rank, self._exit_reason(rank) or f"sending to it failed: {e}")
+                        self._lost(rank, self.info.exit_reason() or f"sending to it failed: {e}")
 
     def _flush_loop(self) -> None:
         while not self.closed:
@@ -243,17 +259,16 @@ class Client:
         while open_ranks:
             for key, _ in sel.select(timeout=0.5):
                 rank = key.data
+                error: BaseException | None = None
                 try:
                     msgs = self.conns[rank].recv_messages()
                 except (OSError, ProtocolError) as e:
                     msgs, error = None, e
-                else:
-                    error = None
                 if msgs is None:
                     sel.unregister(key.fileobj)
                     open_ranks.discard(rank)
                     if not self.exiting:
-                        why = self._exit_reason(rank) or (str(error) if error else "its connection closed")
+                        why = self.info.exit_reason() or (str(error) if error else "its connection closed")
                         self.inbox.put((rank, WorkerLost(why)))
                     continue
                 supervisor = self.supervisor
@@ -265,7 +280,7 @@ class Client:
                     if t is m.Status:
                         supervisor.status(rank, msg.first_uncompleted)
                     elif t is m.WorkerFailed:  # at once: its exit must not be reported first
-                        self.fail_from_supervisor(self._broken_device(msg))
+                        self.fail_from_supervisor(self.info.broken_device(msg, self.site_of(msg.seq)))
                         continue
                     self.inbox.put((rank, msg))
 
@@ -285,61 +300,34 @@ class Client:
                 return
 
     def _apply(self, rank: int, msg) -> None:
-        t = type(msg)
-        if t is m.Status:
-            for node in self.history.status(msg):
-                self.history.resolve(node)
-        elif t is m.FetchResult:
-            self.history.set_value(msg, rank)
-        elif t is m.RemoteFunctionFailed:
-            self.history.fail(msg, frames)
-        elif t is WorkerLost:
-            if not self.closed:
-                self._lost(rank, str(msg))
-        elif t is FleetFailure:
-            self._fail_fleet(msg.args[0])
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._fail_fleet(DeviceException(f"worker rank {rank} {self.info.describe(rank)} sent an unexpected "
+                                             f"{type(msg).__name__}: {msg!r}"))
         else:
-            self._fail_fleet(DeviceException(f"worker rank {rank} {self.describe(rank)} sent an unexpected "
-                                             f"{t.__name__}: {msg!r}"))
+            handler(rank, msg)
 
-    def _exit_reason(self, rank: int) -> str | None:
-        """How a worker whose connection closed ended, if the launcher can tell (local_mesh)."""
-        if self._process_failure is None:
-            return None
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            why = self._process_failure()
-            if why:
-                return why
-            time.sleep(0.05)
-        return None
+    # handlers of worker->client messages (and the reader's and supervisor's inbox items)
+    def Status(self, rank: int, msg: m.Status) -> None:
+        for node in self.history.status(msg):
+            self.history.resolve(node)
 
-    def describe(self, rank: int) -> str:
-        hello = self.hellos.get(rank)
-        if hello is None:
-            return ""
-        return f"(host {hello.hostname}, pid {hello.pid})"
+    def FetchResult(self, rank: int, msg: m.FetchResult) -> None:
+        self.history.set_value(msg, rank)
 
-    def where_logs(self) -> str:
-        files = {r: h.log for r, h in self.hellos.items() if h.log}
-        if files:
-            return "worker logs: " + ", ".join(f"rank {r}: {f}" for r, f in sorted(files.items()))
-        return f"worker logs: {self.log_dir or 'the terminal that started the workers'}"
+    def RemoteFunctionFailed(self, rank: int, msg: m.RemoteFunctionFailed) -> None:
+        self.history.fail(msg, frames)
+
+    def WorkerLost(self, rank: int, msg: WorkerLost) -> None:
+        if not self.closed:
+            self._lost(rank, msg.why)
+
+    def FleetFailure(self, rank: int, msg: FleetFailure) -> None:
+        self._fail_fleet(msg.error)
 
     def site_of(self, seq: int) -> str:
-        node = self.history._by_seq.get(seq)
-        return site_text(node.site if node is not None else None)
-
-    def _broken_device(self, msg: m.WorkerFailed) -> DeviceException:
-        """A worker's device is unusable (sticky CUDA error): name the op, the user's line,
-        the rank and where it ran."""
-        return DeviceException(
-            f"worker rank {msg.rank} {self.describe(msg.rank)} hit an error that leaves its device unusable, "
-            f"and left: {msg.exc_type}: {msg.message.strip()}\n"
-            f"The op that met it ({msg.function}) was issued at {self.site_of(msg.seq)}\n"
-            f"(CUDA reports a kernel's fault at a later call: with CUDA_LAUNCH_BLOCKING=1 set for the workers, "
-            f"the op named is the one that faulted.)\n"
-            f"Traceback on worker rank {msg.rank}:\n{msg.traceback.rstrip()}\n{self.where_logs()}")
+        """The user's line that issued op ``seq``, while the op is not complete."""
+        return site_text(self.history.site_of(seq))
 
     def fail_from_supervisor(self, exc: DeviceException) -> None:
         """From the supervisor (or reader) thread: the fleet is broken; wake whoever waits."""
@@ -350,11 +338,7 @@ class Client:
         self.inbox.put((-1, FleetFailure(exc)))
 
     def _lost(self, rank: int, why: str) -> None:
-        if why.startswith("worker rank"):
-            self._fail_fleet(DeviceException(f"{why}\n{self.where_logs()}"))
-        else:
-            self._fail_fleet(DeviceException(f"worker rank {rank} {self.describe(rank)} was lost: {why}\n"
-                                             f"{self.where_logs()}"))
+        self._fail_fleet(self.info.lost(rank, why))
 
     def _fail_fleet(self, exc: DeviceException) -> None:
         if self.failure is None:
@@ -366,7 +350,7 @@ class Client:
     # -- fetching --------------------------------------------------------------------------
     def request_status(self, seq: int) -> None:
         """Every rank answers once all it was sent before this has run."""
-        self.send_all(m.RequestStatus(seq))
+        self.sink.submit(self.ranks, m.RequestStatus(seq))
 
     # -- shutdown --------------------------------------------------------------------------
     def shutdown(self, error: str | None = None, timeout: float = 30.0, detach: bool = False) -> None:

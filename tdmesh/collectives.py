@@ -3,6 +3,7 @@
 ``t.reduce("gpu")`` is one ``Reduce`` message to the ranks of ``t``'s mesh; the workers run
 it on process groups over those dims (NCCL on GPUs, gloo on CPUs).  ``t.to_mesh(other)``
 is a point-to-point copy matched by dim name, broadcast over dims only the destination has.
+The tensor methods ``reduce``, ``reduce_``, ``to_mesh`` and ``slice_mesh`` are defined here.
 """
 
 from __future__ import annotations
@@ -10,14 +11,16 @@ from __future__ import annotations
 import warnings
 from typing import NamedTuple
 
-import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import messages as m
+from .errors import user_line
 from .grouping import normalize_dims, to_mesh_plan
+from .issue import New, issue
+from .placement import check_inputs, check_mutation, check_no_grad
 from .propagation import TensorMeta
 from .stream import get_active_stream
-from .tensor import Tensor, _Aliases, _raise, check_inputs, check_mutation, user_line
+from .tensor import Tensor
 
 __all__ = ["reduce", "reduce_", "to_mesh", "slice_mesh", "MeshSliceTensor", "REDUCTIONS"]
 
@@ -77,19 +80,13 @@ def _plan(t, dims, reduction: str, scatter: bool, inplace: bool) -> _ReducePlan:
     return plan
 
 
-def _check_no_grad(t) -> None:
-    if t.requires_grad and torch.is_grad_enabled():
-        _raise(TypeError(f"REQUIRES_GRAD: reduce of tensor {t.ref}, which requires grad, is not differentiable; "
-                         f"reduce its .detach() or under torch.no_grad()\n  at {user_line()}"))
-
-
 def _reduce(t, dims, reduction: str, scatter: bool, mesh, inplace: bool, out):
     if type(t) is not Tensor:
         raise TypeError(f"reduce needs a tdmesh tensor, got {type(t).__name__}\n  at {user_line()}")
     if mesh is not None:
         raise NotImplementedError("reduce(mesh=...) is not supported; reduce on the tensor's own mesh")
     plan = _plan(t, dims, reduction, scatter, inplace)
-    _check_no_grad(t)
+    check_no_grad(t, "reduce")
     stream = get_active_stream()
     inputs = [t] if out is None else [t, out]
     check_inputs(inputs, t.mesh, "reduce", stream)
@@ -102,23 +99,16 @@ def _reduce(t, dims, reduction: str, scatter: bool, mesh, inplace: bool, out):
         check_mutation(out, "reduce(out=...)")
     if inplace:
         check_mutation(t, "reduce_")
-    client = t.mesh.client
-    group = client.ensure_groups("dims", stream.id, t.mesh.shape, plan.dims)
-    with client.lock:
-        if inplace:
-            result, result_ref, defs = t, None, list(t._r.aliases.refs)
-        elif out is not None:
-            result, result_ref, defs = out, None, list(out._r.aliases.refs)
-        else:
-            result_ref = client.new_ref()
-            result = Tensor(_contiguous_meta(plan.out_shape, t.dtype), t.device, t.mesh, result_ref, _Aliases(),
-                            stream)
-            defs = [result_ref]
-        seq = client.new_seq()
-        msg = m.Reduce(seq, result_ref, t.ref, plan.factory, group, reduction, scatter, inplace,
-                       out.ref if out is not None else None, stream.id)
-        client.send(t.mesh, msg, seq, [x.ref for x in inputs], defs)
-    return result
+    group = t.mesh.client.ensure_groups("dims", stream.id, t.mesh.shape, plan.dims)
+    written = t if inplace else out
+    outputs = [written] if written is not None else [New(_contiguous_meta(plan.out_shape, t.dtype))]
+
+    def build(seq, results, _mutated):
+        return m.Reduce(seq, results[0], t.ref, plan.factory, group, reduction, scatter, inplace,
+                        out.ref if out is not None else None, stream.id)
+
+    return issue(t.mesh, build, inputs=inputs, outputs=outputs, mutated=[written] if written is not None else (),
+                 device=t.device, stream=stream)[0]
 
 
 def reduce(tensors, dims=(), reduction: str = "sum", scatter: bool = False, mesh=None, out=None):
@@ -159,19 +149,16 @@ def _reduce_many(leaves: list, dims, reduction: str) -> None:
     first = leaves[0]
     plans = [_plan(t, dims, reduction, False, True) for t in leaves]
     for t in leaves:
-        _check_no_grad(t)
+        check_no_grad(t, "reduce")
     stream = get_active_stream()
     check_inputs(leaves, first.mesh, "reduce", stream)
     for t in leaves:
         check_mutation(t, "reduce_")
-    client = first.mesh.client
-    group = client.ensure_groups("dims", stream.id, first.mesh.shape, plans[0].dims)
-    with client.lock:
-        defs = [r for t in leaves for r in t._r.aliases.refs]
-        seq = client.new_seq()
-        msg = m.ReduceMany(seq, tuple(t.ref for t in leaves), tuple(p.factory for p in plans), group, reduction,
-                           stream.id)
-        client.send(first.mesh, msg, seq, [t.ref for t in leaves], defs)
+    group = first.mesh.client.ensure_groups("dims", stream.id, first.mesh.shape, plans[0].dims)
+    refs = tuple(t.ref for t in leaves)
+    factories = tuple(p.factory for p in plans)
+    issue(first.mesh, lambda seq, results, mutated: m.ReduceMany(seq, refs, factories, group, reduction, stream.id),
+          inputs=leaves, mutated=leaves, stream=stream)
 
 
 class MeshSliceTensor:
@@ -204,18 +191,14 @@ def _to_mesh(t: Tensor, source, dest, stream=None) -> Tensor:
     check_inputs([t], t.mesh, "to_mesh", from_stream)
     client.ensure_groups("p2p", from_stream.id, to_stream=to_stream.id)
     factory = (tuple(t.shape), str(t.dtype).split(".")[1])
-    with client.lock:
-        ref = client.new_ref()
-        result = Tensor(_contiguous_meta(t.shape, t.dtype), t.device, dest, ref, _Aliases(), to_stream)
-        seq = client.new_seq()
-        for i, (from_ranks, to_ranks) in enumerate(plan):
-            msg = m.SendTensor(seq, ref, from_ranks, to_ranks, t.ref, factory, from_stream.id, to_stream.id)
-            ranks = sorted(set(from_ranks) | set(to_ranks))
-            if i == 0:
-                client.send(dest, msg, seq, [t.ref], [ref], ranks=ranks)
-            else:
-                client.send(dest, msg, ranks=ranks)
-    return result
+
+    def build(seq, results, _mutated):  # one message per (senders, receivers) pair of the plan
+        return [(sorted(set(senders) | set(receivers)),
+                 m.SendTensor(seq, results[0], senders, receivers, t.ref, factory, from_stream.id, to_stream.id))
+                for senders, receivers in plan]
+
+    return issue(dest, build, inputs=[t], outputs=[New(_contiguous_meta(t.shape, t.dtype))], device=t.device,
+                 stream=to_stream)[0]
 
 
 def to_mesh(tensors, mesh, stream=None):
@@ -230,3 +213,32 @@ def to_mesh(tensors, mesh, stream=None):
 def slice_mesh(tensors, **kw):
     """``t.slice_mesh(**kw)`` for every tdmesh tensor of a pytree."""
     return tree_map(lambda t: MeshSliceTensor(t, t.mesh.slice(**kw)), tensors)
+
+
+# ----------------------------------------------------------------------------- tensor methods
+def _method_reduce(self, dims=(), reduction: str = "sum", scatter: bool = False, mesh=None, _inplace: bool = False,
+                   out=None):
+    """Reduce over mesh ``dims`` (``()`` = every dim): ``sum avg product min max band bor bxor``
+    or ``stack`` (a leading dim of the group size); ``scatter`` splits dim 0 over the group."""
+    return _reduce(self, dims, reduction, scatter, mesh, _inplace, out)
+
+
+def _method_reduce_(self, dims=(), reduction: str = "sum", scatter: bool = False, mesh=None):
+    """In-place :meth:`reduce`."""
+    return _reduce(self, dims, reduction, scatter, mesh, True, None)
+
+
+def _method_to_mesh(self, mesh, stream=None):
+    """A copy of this tensor on ``mesh`` (dims matched by name, broadcast over new dims)."""
+    return _to_mesh(self, self._mesh, mesh, stream)
+
+
+def _method_slice_mesh(self, **kw):
+    """This tensor restricted to ``self.mesh.slice(**kw)``, to move with ``.to_mesh``."""
+    return MeshSliceTensor(self, self._mesh.slice(**kw))
+
+
+Tensor.reduce = _method_reduce  # type: ignore[attr-defined]
+Tensor.reduce_ = _method_reduce_  # type: ignore[attr-defined]
+Tensor.to_mesh = _method_to_mesh  # type: ignore[attr-defined]
+Tensor.slice_mesh = _method_slice_mesh  # type: ignore[attr-defined]

@@ -1,4 +1,9 @@
-"""Every ``TDMESH_*`` environment variable, in one table, with its default."""
+"""Every ``TDMESH_*`` environment variable, in one table, with its default.
+
+"Controller" in ``TDMESH_CONTROLLER_HOST`` and ``ControllerParams`` names the client process
+(Monarch's word for it, kept in the public names); everywhere else tdmesh calls it the client.
+Read a variable with ``env_str``/``env_int``/``env_float`` (an unlisted name is a KeyError).
+"""
 
 from __future__ import annotations
 
@@ -15,36 +20,41 @@ VARIABLES = {
                             "becomes the rank (local_mesh names each worker's stderr file instead)"),
     "TDMESH_SELF_ERROR_EXIT_CODE": ("1", "worker exit code when the job fails and this worker caused it"),
     "TDMESH_PEER_ERROR_EXIT_CODE": ("1", "worker exit code when the job fails because of another process"),
-    "TDMESH_PEER_EXIT_DELAY": ("2.0", "seconds a torchrun worker waits before exiting for another process's failure, so that rank 0 (the script) is torchrun's root cause"),
+    "TDMESH_PEER_EXIT_DELAY": ("2.0", "seconds a torchrun worker waits before exiting for another process's failure, "
+                                      "so that rank 0 (the script) is torchrun's root cause"),
     "TDMESH_SCOPE": ("", "store key prefix of a local_mesh fleet (set by local_mesh)"),
-    "TDMESH_CONTROLLER_HOST": ("", "the address workers use to reach the controller (default: this host's name, "
+    "TDMESH_CONTROLLER_HOST": ("", "the address workers use to reach the client (default: this host's name, "
                                    "or 127.0.0.1 when the name does not resolve)"),
-    "TDMESH_CONNECT_TIMEOUT": ("120", "seconds the controller waits for every worker to connect"),
-    "TDMESH_PG_TIMEOUT": ("120", "seconds a collective may wait before torch.distributed fails it (torch's default is 10 min)"),
+    "TDMESH_CONNECT_TIMEOUT": ("120", "seconds the client waits for every worker to connect"),
+    "TDMESH_PG_TIMEOUT": ("120", "seconds a collective may wait before torch.distributed fails it "
+                                 "(torch's default is 10 min)"),
     "TDMESH_HEARTBEAT_INTERVAL": ("2.0", "SupervisionParams.heartbeat_interval: seconds between worker heartbeats"),
     "TDMESH_HEARTBEAT_TIMEOUT": ("20.0", "SupervisionParams.heartbeat_timeout: silence after which a worker is dead"),
-    "TDMESH_PROGRESS_CHECK_INTERVAL": ("10.0", "ControllerParams.progress_check_interval: seconds between progress checks"),
+    "TDMESH_PROGRESS_CHECK_INTERVAL": ("10.0", "ControllerParams.progress_check_interval: seconds between "
+                                               "progress checks"),
     "TDMESH_OPERATION_TIMEOUT": ("120.0", "ControllerParams.operation_timeout: seconds before a stuck op is reported"),
-    "TDMESH_OPS_PER_PROGRESS_REQUEST": ("100", "ControllerParams.ops_per_progress_request: ops between progress probes"),
-    "TDMESH_FAIL_ON_OPERATION_TIMEOUT": ("0", "ControllerParams.fail_on_operation_timeout: 1 makes a stuck op a DeviceException"),
+    "TDMESH_OPS_PER_PROGRESS_REQUEST": ("100", "ControllerParams.ops_per_progress_request: ops between "
+                                               "progress probes"),
+    "TDMESH_FAIL_ON_OPERATION_TIMEOUT": ("0", "ControllerParams.fail_on_operation_timeout: 1 makes a stuck op a "
+                                              "DeviceException"),
     "TDMESH_TEST_MESH": ("2x2", "tests only: HOSTSxGPUS, the mesh of the collective and stream suites"),
 }
 
 
 class SupervisionParams(NamedTuple):
-    """How the controller watches worker liveness: heartbeats every ``heartbeat_interval``
+    """How the client watches worker liveness: heartbeats every ``heartbeat_interval``
     seconds; a worker silent for ``heartbeat_timeout`` seconds is declared dead."""
     heartbeat_interval: float = 2.0
     heartbeat_timeout: float = 20.0
 
     @staticmethod
-    def from_env() -> "SupervisionParams":
+    def from_env() -> SupervisionParams:
         return SupervisionParams(env_float("TDMESH_HEARTBEAT_INTERVAL"), env_float("TDMESH_HEARTBEAT_TIMEOUT"))
 
 
 class ControllerParams(NamedTuple):
     """Stuck-op detection: every ``progress_check_interval`` seconds (and every
-    ``ops_per_progress_request`` ops) the controller asks the workers how far they are; an op
+    ``ops_per_progress_request`` ops) the client asks the workers how far they are; an op
     not done after ``operation_timeout`` seconds is a warning, or a DeviceException when
     ``fail_on_operation_timeout``."""
     progress_check_interval: float = 10.0
@@ -53,7 +63,7 @@ class ControllerParams(NamedTuple):
     fail_on_operation_timeout: bool = False
 
     @staticmethod
-    def from_env() -> "ControllerParams":
+    def from_env() -> ControllerParams:
         return ControllerParams(env_float("TDMESH_PROGRESS_CHECK_INTERVAL"), env_float("TDMESH_OPERATION_TIMEOUT"),
                                 env_int("TDMESH_OPS_PER_PROGRESS_REQUEST"),
                                 env_str("TDMESH_FAIL_ON_OPERATION_TIMEOUT") not in ("", "0", "false", "False"))

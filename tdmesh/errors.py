@@ -1,12 +1,33 @@
-"""What the user catches: a remote op failed, or the fleet itself did."""
+"""Every error tdmesh raises, under one root, and the user's call site that they point at.
+
+``TdmeshError`` is the root.  What the user catches: ``RemoteException`` (a remote op
+failed), ``DeviceException`` (the fleet failed) and ``PlacementError`` (a tensor used where
+it cannot be: its ``.code`` says which rule, and it is a ``TypeError`` as torch's own
+placement errors are).  Protocol, resolve and recording errors belong to the workers and
+the transport; the user meets them only inside a DeviceException or RemoteException.
+
+No tdmesh imports here: the client and the workers both use this module.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 import traceback
-from typing import Sequence
+from collections.abc import Sequence
+from types import FrameType
+
+__all__ = ["TdmeshError", "RemoteException", "DeviceException", "PlacementError", "UnknownDimError", "UsageError",
+           "ProtocolError",
+           "ProtocolViolation", "ResolveError", "RecordingError", "call_site", "site_text", "user_line", "frames"]
 
 
-class RemoteException(Exception):
+class TdmeshError(Exception):
+    """The root of every error tdmesh raises."""
+
+
+class RemoteException(TdmeshError):
     """A remote op failed (a deterministic problem in the user's program).
 
     Raised where a value that depends on the failure is observed: a fetch, or the mesh's
@@ -35,7 +56,7 @@ class RemoteException(Exception):
                                   self.call_site))
 
 
-class DeviceException(Exception):
+class DeviceException(TdmeshError):
     """The fleet failed: a worker died, stopped answering, broke its device or the protocol.
 
     Reported once: ``observed`` turns true when the user is handed it (a fetch, an op on the
@@ -45,10 +66,89 @@ class DeviceException(Exception):
     observed = False
 
 
-def user_call_site(skip_prefixes: Sequence[str]) -> list[traceback.FrameSummary]:
-    """The user's frames of the current stack: drop the innermost tdmesh/torch frames."""
-    stack = traceback.extract_stack()[:-1]
-    end = len(stack)
-    while end > 0 and any(stack[end - 1].filename.startswith(p) for p in skip_prefixes):
-        end -= 1
-    return stack[max(0, end - 8):end]
+class PlacementError(TdmeshError, TypeError):
+    """A tensor used where it cannot be; raised at the user's line before anything is sent.
+
+    ``code`` names the rule: ``LOCAL_TENSOR`` (a local tensor mixed with the mesh),
+    ``WRONG_MESH``, ``WRONG_STREAM``, ``DROPPED``, ``BORROWED`` (mutably borrowed elsewhere),
+    ``MUTATING_BORROW`` (a write to a read-only borrow) or ``REQUIRES_GRAD`` (an op autograd
+    cannot follow).  The message starts with the code and ends with the user's line.
+    """
+
+    CODES = ("LOCAL_TENSOR", "WRONG_MESH", "WRONG_STREAM", "DROPPED", "BORROWED", "MUTATING_BORROW", "REQUIRES_GRAD")
+
+    def __init__(self, code: str, message: str) -> None:
+        if code not in self.CODES:
+            raise ValueError(f"unknown placement error code {code!r}; the codes are {list(self.CODES)}")
+        self.code = code
+        super().__init__(f"{code}: {message}\n  at {user_line()}")
+
+
+class UnknownDimError(TdmeshError, KeyError, ValueError):
+    """A dim name that the mesh does not have.  A ``KeyError`` (lookup by name) and a
+    ``ValueError`` (bad argument) so that code written for either convention catches it."""
+
+    def __str__(self) -> str:  # KeyError would repr-quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UsageError(TdmeshError, RuntimeError):
+    """A call that the state of the mesh or the process does not allow (an exited mesh, a
+    geometry-only mesh, world_mesh outside torchrun, a compiled function that misbehaves)."""
+
+
+class ProtocolError(TdmeshError, ConnectionError):
+    """A peer sent bytes that are not a tdmesh frame (wrong magic, oversized, truncated)."""
+
+
+class ProtocolViolation(TdmeshError, RuntimeError):
+    """A message a worker cannot interpret: a bug or a foreign peer, never ignored."""
+
+
+class ResolveError(TdmeshError, ValueError):
+    """A worker could not find or unpickle the function a message names."""
+
+
+class RecordingError(TdmeshError, RuntimeError):
+    """A compiled function's recording is malformed (chunks out of order, unknown id)."""
+
+
+# ----------------------------------------------------------------------------- the user's call site
+def _dir_of(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    origin = spec.origin if spec is not None and spec.origin else ""
+    return os.path.dirname(os.path.abspath(origin)) + os.sep
+
+
+_SKIP = (os.path.dirname(os.path.abspath(__file__)) + os.sep, _dir_of("torch"), "<frozen",
+         os.path.dirname(os.__file__) + os.sep + "contextlib")
+
+
+def call_site() -> list[tuple[str, int, str]]:
+    """(filename, lineno, name) of the user's innermost frames: cheap enough for every op."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP):
+        frame = frame.f_back
+    site: list[tuple[str, int, str]] = []
+    while frame is not None and len(site) < 6:
+        site.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return site
+
+
+def site_text(site) -> str:
+    """The innermost user frame of a captured call site, as a traceback line."""
+    if not site:
+        return "<unknown>"
+    filename, lineno, name = site[0]
+    return f'File "{filename}", line {lineno}, in {name}'
+
+
+def user_line() -> str:
+    """The user's line that is running now, as a traceback line."""
+    return site_text(call_site())
+
+
+def frames(site) -> list[traceback.FrameSummary]:
+    """A captured call site as traceback frames, outermost first."""
+    return [traceback.FrameSummary(f, n, name) for f, n, name in reversed(site or [])]

@@ -1,28 +1,81 @@
-"""Getting values back: ``fetch_shard``, ``inspect`` and ``call_on_shard_and_fetch``."""
+"""Getting values back: ``fetch_shard``, ``inspect``, ``fetch_all`` and ``show``.
+
+Also the two helpers every call that reads remote tensors shares: which mesh it runs on
+(``mesh_of``) and the checks and process groups its arguments need (``prepare_call``).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 from . import messages as m
-from ._context import active_mesh_or_none
 from ._coalescing import check_not_coalescing
+from ._context import active_mesh_or_none
+from .errors import UnknownDimError, user_line
 from .future import Future
-from .remote import Remote, _mesh_of, prepare_call
+from .issue import issue
+from .placement import check_inputs
 from .stream import get_active_stream
-from .tensor import Tensor, _wire, sealed_args, user_line
+from .tensor import Tensor, describe, raise_in_op
+from .wire import sealed_args
 
-__all__ = ["fetch_shard", "inspect", "call_on_shard_and_fetch", "fetch_all", "show"]
+__all__ = ["fetch_shard", "inspect", "fetch_all", "show", "send_value", "shard_rank", "mesh_of", "prepare_call"]
 
 
-def _shard_rank(mesh, shard: dict | None, coords: dict) -> int:
+def mesh_of(flat) -> Any:
+    """The mesh a call with these (flattened) arguments runs on: its tensors' (all on one
+    mesh), else the active mesh, else a mesh passed as an argument."""
+    mesh = None
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            if type(x) is not Tensor:
+                raise_in_op("LOCAL_TENSOR", f"remote functions take tensors on the mesh, got {describe(x)}")
+            if mesh is None:
+                mesh = x._mesh
+            elif x._mesh is not mesh:
+                raise_in_op("WRONG_MESH", f"remote function arguments live on two meshes "
+                                          f"({mesh.shape} and {x._mesh.shape})")
+    if mesh is None:
+        mesh = active_mesh_or_none()
+    if mesh is None:  # no tensors, no active mesh: a mesh argument says where
+        mesh = next((x for x in flat if _travels_as_mesh(x)), None)
+    if mesh is None:
+        raise ValueError(f"Remote functions require an active device mesh, use `with mesh.activate():`\n"
+                         f"  at {user_line()}")
+    return mesh
+
+
+def _travels_as_mesh(x) -> bool:
+    wire = getattr(x, "_tdmesh_wire", None)
+    return wire is not None and getattr(x, "client", None) is not None and type(wire()) is m.MeshArg
+
+
+def prepare_call(flat, mesh, stream) -> tuple[list, tuple]:
+    """Checks shared by remote calls and fetches: placement and borrow rules of the tensor
+    arguments, and creation of the process groups that arguments need (once per stream)."""
+    remote_args = [x for x in flat if type(x) is Tensor]
+    check_inputs(remote_args, mesh, "a remote function", stream)
+    groups = []
+    for x in flat:
+        needs = getattr(x, "_tdmesh_groups", None)
+        if needs is not None:
+            group = needs(mesh.client, stream.id)
+            if group is not None:
+                groups.append(group)
+    return remote_args, tuple(groups)
+
+
+def shard_rank(mesh, shard: dict | None, coords: dict) -> int:
     shard = dict(shard or {})
     shard.update(coords)
     if not shard:
         return mesh.processes.offset
     unknown = [d for d in shard if d not in mesh.names]
     if unknown:
-        from .shape import UnknownDimError
         raise UnknownDimError(f"fetch_shard got dims {unknown} that the mesh does not have; its dims are "
                               f"{list(mesh.names)}")
     missing = [d for d in mesh.names if d not in shard]
@@ -32,7 +85,7 @@ def _shard_rank(mesh, shard: dict | None, coords: dict) -> int:
     return mesh.shape.index(**shard).slice.offset
 
 
-def _send_value(mesh, function, args, kwargs, rank: int | None) -> Future:
+def send_value(mesh, function, args, kwargs, rank: int | None) -> Future:
     """A SendValue to one rank (``rank=None``: every rank of ``mesh``, gathered into a
     ValueMesh), on the stream of the tensors it reads (else the active one)."""
     check_not_coalescing("fetching results")
@@ -44,18 +97,13 @@ def _send_value(mesh, function, args, kwargs, rank: int | None) -> Future:
     fut = Future(client)
     if rank is None:
         fut.gather = mesh.shape
+    sealed = sealed_args(args, kwargs)
     with client.lock:
-        seq = client.new_seq()
-        client.send(mesh, m.SendValue(seq, (), function, sealed_args(args, kwargs), {}, stream.id, groups), seq,
-                    [t.ref for t in tensors], (), fut, ranks=None if rank is None else (rank,), deletes_first=True)
-        client.request_status(seq)
+        issue(mesh, lambda seq, results, mutated: m.SendValue(seq, (), function, sealed, {}, stream.id, groups),
+              inputs=tensors, stream=stream, ranks=None if rank is None else (rank,), future=fut, deletes_first=True)
+        client.request_status(client.last_seq)  # the SendValue's: completion resolves the future
         client.flush()
     return fut
-
-
-def _send_value_all(mesh, function, args, kwargs) -> Future:
-    """A SendValue to every rank of ``mesh``; the future gathers a ValueMesh."""
-    return _send_value(mesh, function, args, kwargs, None)
 
 
 def fetch_shard(obj, shard: dict | None = None, **coords) -> Future:
@@ -69,9 +117,9 @@ def fetch_shard(obj, shard: dict | None = None, **coords) -> Future:
         fut = Future(None)
         fut._set_result(obj)
         return fut
-    mesh = _mesh_of(flat)
-    rank = _shard_rank(mesh, shard, coords)
-    return _send_value(mesh, None, (obj,), {}, rank)
+    mesh = mesh_of(flat)
+    rank = shard_rank(mesh, shard, coords)
+    return send_value(mesh, None, (obj,), {}, rank)
 
 
 def inspect(obj, shard: dict | None = None, **coords):
@@ -79,21 +127,10 @@ def inspect(obj, shard: dict | None = None, **coords):
     return fetch_shard(obj, shard, **coords).result()
 
 
-def call_on_shard_and_fetch(remote_fn: Remote, *args, shard: dict | None = None, **kwargs) -> Future:
-    """Run ``remote_fn`` on one rank and fetch what it returns (an Exception returned is a value)."""
-    if not isinstance(remote_fn, Remote):
-        raise TypeError(f"call_on_shard_and_fetch needs a tdmesh.remote function, got {remote_fn!r}\n  at {user_line()}")
-    flat, _ = tree_flatten((args, kwargs))
-    mesh = _mesh_of(flat)
-    rank = _shard_rank(mesh, shard, {})
-    return _send_value(mesh, remote_fn._target, args, kwargs, rank)
-
-
 def fetch_all(obj) -> Future:
     """A future of ``obj``'s value on every rank of its mesh: a ValueMesh of (point, value)."""
     flat, _ = tree_flatten(obj)
-    mesh = _mesh_of(flat)
-    return _send_value_all(mesh, None, (obj,), {})
+    return send_value(mesh_of(flat), None, (obj,), {}, None)
 
 
 def show(obj, max_chars: int = 60) -> str:
@@ -102,7 +139,6 @@ def show(obj, max_chars: int = 60) -> str:
     Blocks like :func:`inspect`.  Scalars print as values, small tensors in full, large ones
     as shape, dtype and a summary (min / mean / max).
     """
-    from torch.utils._python_dispatch import _disable_current_modes
     values = fetch_all(obj).result()
     with _disable_current_modes():  # the fetched values are local, whatever mesh is active
         return _table(values, max_chars)
@@ -122,7 +158,6 @@ def _table(values, max_chars: int) -> str:
 
 
 def _summary(value, max_chars: int) -> str:
-    import torch
     if isinstance(value, torch.Tensor):
         if value.numel() == 1:
             return repr(value.item())

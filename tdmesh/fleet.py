@@ -1,4 +1,4 @@
-"""A running fleet: the controller's listening socket, the worker connections, shutdown.
+"""A running fleet: the client's listening socket, the worker connections, shutdown.
 
 Both entry points end here: ``local_mesh`` (workers started by torch.distributed.elastic
 from the calling process) and ``world_mesh`` (workers started by torchrun).  The client
@@ -14,10 +14,9 @@ import logging
 import pickle
 import queue
 import socket
-import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from . import messages as m
 from .client import Client
@@ -69,7 +68,7 @@ def _cut(sock: socket.socket) -> None:
 
 
 class Gatekeeper:
-    """The controller's listening socket.  Only processes that present the job's token in
+    """The client's listening socket.  Only processes that present the job's token in
     their first frame get in; everything else (wrong token, garbage, oversized or truncated
     frames, a rank already taken) is refused, logged, and closed, and nothing else happens.
     After startup it stays open and refuses every newcomer, so strays are seen in the log.
@@ -101,7 +100,7 @@ class Gatekeeper:
         while not self.closed:
             try:
                 sock, peer = self.listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return  # closed
@@ -180,7 +179,7 @@ class Gatekeeper:
 def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str | None = None,
                    alive: Callable[[], str | None] = lambda: None, timeout: float | None = None,
                    announce: Callable[[str, int, str], None] | None = None):
-    """Publish the controller in ``store`` and accept one authenticated connection per rank.
+    """Publish the client in ``store`` and accept one authenticated connection per rank.
 
     ``alive()`` returns a reason when the workers can no longer come (a launcher saw them
     die), so startup failures are reported at once instead of after the timeout.
@@ -202,7 +201,7 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
                 raise DeviceException(f"workers failed while starting: {why}")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(conns))
-                raise DeviceException(f"ranks {missing} did not connect to the controller within {timeout:.0f} s")
+                raise DeviceException(f"ranks {missing} did not connect to the client within {timeout:.0f} s")
             try:
                 conn, hello, peer = gate.arrivals.get(timeout=0.2)
             except queue.Empty:
@@ -240,7 +239,7 @@ class Fleet:
         with client.lock:
             if not len(client.history):
                 return
-            client.request_status(client._next_seq - 1)
+            client.request_status(client.last_seq)
         client.pump(timeout, until=lambda: not len(client.history) or client.failure is not None)
 
     def exit(self, error: str | None = None, detach: bool = False) -> None:

@@ -1,10 +1,18 @@
-"""``Future``: a value the workers will send, or the error that prevents it."""
+"""``Future``: a value the workers will send, or the error that prevents it; ``ValueMesh``:
+one value per rank, what ``Remote.call`` and ``fetch_all`` deliver."""
 
 from __future__ import annotations
 
+import pickle
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
+
+from . import messages as m
 from .errors import DeviceException
 
 _PENDING = object()
@@ -17,7 +25,7 @@ class Future:
         self._client = client
         self._value: Any = _PENDING
         self._exception: BaseException | None = None
-        self._callbacks: list[Callable[["Future"], None]] = []
+        self._callbacks: list[Callable[[Future], None]] = []
         self.gather = None  # the mesh Shape when the value is one per rank (Remote.call)
 
     # called by the client when the value (or its error) is known
@@ -79,7 +87,7 @@ class Future:
         if isinstance(self._exception, DeviceException):
             self._exception.observed = True
 
-    def add_callback(self, fn: Callable[["Future"], None]) -> None:
+    def add_callback(self, fn: Callable[[Future], None]) -> None:
         """Call ``fn(self)`` once done (now, if it already is)."""
         if self._finished():
             fn(self)
@@ -89,3 +97,49 @@ class Future:
     def __repr__(self) -> str:
         state = "pending" if not self._finished() else ("failed" if self._exception else "done")
         return f"<tdmesh.Future {state}>"
+
+
+def load_value(payload: bytes):
+    """Unpickle a fetched value as local tensors, whatever mesh is active on the client."""
+    with _disable_current_modes():
+        value = pickle.loads(payload)
+        return tree_map(lambda x: m.unpack_tensor(x) if type(x) is m.PackedTensor else x, value,
+                        is_leaf=lambda x: type(x) is m.PackedTensor)
+
+
+class ValueMesh:
+    """One value per rank of a mesh, from ``Remote.call``: iterate ``(point, value)`` pairs,
+    where ``point`` maps dim names to coordinates, or index with ``vm[dict(host=0, gpu=1)]``."""
+
+    def __init__(self, shape, values: dict) -> None:
+        self.shape = shape
+        self._values = values
+
+    def __iter__(self):
+        for rank in self.shape.ranks():
+            yield self.shape.coordinates(rank), self._values[rank]
+
+    def __getitem__(self, point: dict):
+        return self._values[self.shape.index(**point).slice.offset]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def to_numpy(self):
+        """The values as a numpy array shaped like the mesh, followed by the values' own shape
+        when every value is a number (or a numeric array/tensor) of one shape; otherwise an
+        object array shaped like the mesh."""
+        sizes = list(self.shape.sizes.values())
+        values = [self._values[r] for r in self.shape.ranks()]
+        try:
+            arrays = [np.asarray(v.detach().numpy() if hasattr(v, "detach") else v) for v in values]
+        except (TypeError, ValueError, RuntimeError):
+            arrays = None
+        if arrays and all(a.dtype.kind in "biufc" and a.shape == arrays[0].shape for a in arrays):
+            return np.stack(arrays).reshape(sizes + list(arrays[0].shape))
+        out = np.empty(len(values), dtype=object)
+        out[:] = values
+        return out.reshape(sizes)
+
+    def __repr__(self) -> str:
+        return f"ValueMesh({self.shape}, {[v for _, v in self]!r})"

@@ -9,7 +9,7 @@ own on every dim *outside* ``D``.  Those sets partition the mesh.
 from __future__ import annotations
 
 import itertools
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from .shape import Shape
 from .slice import Slice, ravel

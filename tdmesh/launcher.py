@@ -10,27 +10,29 @@ client; its c10d ``TCPStore`` is the rendezvous.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import os
 import signal
 import socket
-import threading
 import sys
-import traceback
+import threading
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Iterator
 
 import torch
 from torch.distributed import TCPStore
 
+from .client import Client
 from .config import cpu_forced
-from .fleet import Fleet, accept_workers
+from .errors import UsageError
+from .fleet import Fleet, accept_workers, controller_host
 from .mesh import DeviceMesh
-from .rendezvous import restart_count
+from .rendezvous import ATTACH, connect_store, proof, restart_count
 from .shape import Shape
 from .slice import Slice
 
-__all__ = ["local_mesh", "local_meshes", "world_mesh", "restart_count", "attach"]
+__all__ = ["local_mesh", "local_meshes", "world_mesh", "restart_count", "attach", "connect_world"]
 
 _world: DeviceMesh | None = None
 
@@ -119,16 +121,13 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
         processes.close()
         raise
     hellos = {r: h._replace(log=log_files.get(r) or h.log) for r, h in hellos.items()}
-    from .client import Client
     client = Client(conns, hellos, log_dir=log_dir, supervision=supervision, controller=controller,
                     process_failure=failed)
     return Fleet(client, processes, store, log_files, gate)
 
 
 def _mesh_for(fleet: Fleet, hosts: int, gpus_per_host: int) -> DeviceMesh:
-    mesh = DeviceMesh(Shape(("host", "gpu"), Slice.new_row_major([hosts, gpus_per_host])), fleet.client)
-    mesh._fleet = fleet
-    return mesh
+    return DeviceMesh(Shape(("host", "gpu"), Slice.new_row_major([hosts, gpus_per_host])), fleet.client, fleet=fleet)
 
 
 @contextlib.contextmanager
@@ -175,7 +174,7 @@ def local_meshes(meshes: int = 2, hosts_per_mesh: int = 1, gpus_per_host: int | 
     for f in fleets:
         try:
             f.exit()
-        except Exception as e:  # raise the first unobserved error after every fleet is down
+        except Exception as e:  # noqa: BLE001 - raise the first unobserved error after every fleet is down
             errors.append(e)
     if errors:
         raise errors[0]
@@ -184,18 +183,15 @@ def local_meshes(meshes: int = 2, hosts_per_mesh: int = 1, gpus_per_host: int | 
 def world_mesh() -> DeviceMesh:
     """Inside a script run by ``torchrun -m tdmesh.worker``: the mesh of every rank."""
     if _world is None:
-        raise RuntimeError("tdmesh.world_mesh() only works in a script launched as\n"
+        raise UsageError("tdmesh.world_mesh() only works in a script launched as\n"
                            "  torchrun --nproc_per_node N -m tdmesh.worker script.py\n"
                            "elsewhere, start workers with `with tdmesh.local_mesh(hosts=1, gpus_per_host=N) as mesh:`")
     return _world
 
 
-def _connect_world() -> Fleet:
+def connect_world() -> Fleet:
     """In rank 0's client process: accept every torchrun rank's worker."""
     global _world
-    from .client import Client
-    from .fleet import controller_host
-    from .rendezvous import connect_store
     world = int(os.environ["WORLD_SIZE"])
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     store = connect_store()
@@ -214,11 +210,6 @@ def attach(endpoint: str, token: str, *, supervision=None, controller=None,
     token; rank 0 prints both when the fleet starts.  Leaving the block detaches: the workers
     wait for the next client.  ``mesh.exit()`` inside the block ends the job instead.
     """
-    import hmac
-
-    from .client import Client
-    from .fleet import controller_host
-    from .rendezvous import ATTACH, proof
     host, port = endpoint.rsplit(":", 1)
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
     scope = store.get(ATTACH + "/current").decode()

@@ -2,17 +2,27 @@
 
 The geometry (``slice``, ``split``, ``rename``, ``flatten``, sizes, the rank table) is a pure
 value over :class:`~tdmesh.shape.Shape` and sends nothing.  A mesh made by a launcher also
-holds the ``client`` that talks to its fleet; sub-meshes share it.
+holds the ``client`` that talks to its fleet, and the ``fleet`` itself (to shut it down);
+sub-meshes share both.  Process groups and torch DeviceMesh handles for remote functions
+live here too.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Sequence
 
+import numpy as np
+import torch
+
+from . import messages as m
+from .activation import Activation
+from .errors import UsageError
+from .grouping import normalize_dims
+from .remote import Remote
 from .shape import Shape
 from .slice import Slice
 
-__all__ = ["DeviceMesh"]
+__all__ = ["DeviceMesh", "RemoteProcessGroup", "TorchMeshHandle"]
 
 
 class DeviceMesh:
@@ -23,20 +33,20 @@ class DeviceMesh:
     this mesh's fleet.
     """
 
-    def __init__(self, shape: Shape, client=None, *, parent: "DeviceMesh | None" = None) -> None:
+    def __init__(self, shape: Shape, client=None, *, fleet=None) -> None:
         if not isinstance(shape, Shape):
             raise TypeError(f"DeviceMesh needs a Shape, got {type(shape).__name__}")
         self._shape = shape
         self.client = client
-        self._parent = parent
+        self.fleet = fleet  # what exit() shuts down; None for geometry values and bare clients
 
     @classmethod
-    def from_sizes(cls, client=None, **sizes: int) -> "DeviceMesh":
+    def from_sizes(cls, client=None, **sizes: int) -> DeviceMesh:
         """A dense mesh over ranks ``0..N-1``: ``DeviceMesh.from_sizes(host=2, gpu=4)``."""
         return cls(Shape(tuple(sizes), Slice.new_row_major(list(sizes.values()))), client)
 
-    def _derive(self, shape: Shape) -> "DeviceMesh":
-        return DeviceMesh(shape, self.client, parent=self)
+    def _derive(self, shape: Shape) -> DeviceMesh:
+        return DeviceMesh(shape, self.client, fleet=self.fleet)
 
     # -- geometry ------------------------------------------------------------------------
     @property
@@ -71,26 +81,25 @@ class DeviceMesh:
     def __len__(self) -> int:
         return len(self._shape)
 
-    def slice(self, /, **kw: int | slice) -> "DeviceMesh":
+    def slice(self, /, **kw: int | slice) -> DeviceMesh:
         """``int`` removes a dim, ``slice`` restricts it; applied in keyword order."""
         return self._derive(self._shape.index(**kw))
 
-    def split(self, /, **kw: Sequence[str] | int) -> "DeviceMesh":
+    def split(self, /, **kw: Sequence[str] | int) -> DeviceMesh:
         """``split(host=("dp", "pp"), gpu=("tp",), pp=4)``: rank order is preserved."""
         return self._derive(self._shape.split(**kw))
 
-    def rename(self, /, **kw: str) -> "DeviceMesh":
+    def rename(self, /, **kw: str) -> DeviceMesh:
         """``rename(gpu="tp")``: new names, same ranks in the same order."""
         return self._derive(self._shape.rename(**kw))
 
-    def flatten(self, name: str) -> "DeviceMesh":
+    def flatten(self, name: str) -> DeviceMesh:
         """One dim called ``name`` over every rank; dense meshes only."""
         return self._derive(self._shape.flatten(name))
 
     def rank_array(self):
         """The global ranks as a numpy array shaped like the mesh (as torch's ``DeviceMesh.mesh``
         is a tensor of ranks): ``mesh.rank_array()[h, g]`` is the rank at ``host=h, gpu=g``."""
-        import numpy as np
         return np.array(self._shape.ranks(), dtype=np.int64).reshape([self.sizes[d] for d in self.names])
 
     def to_table(self) -> str:
@@ -100,8 +109,7 @@ class DeviceMesh:
     # -- live: these talk to the fleet -------------------------------------------------------
     def _tdmesh_wire(self):
         """How a mesh argument travels to a remote function (the worker sees its own view)."""
-        from .messages import MeshArg
-        return MeshArg(self._shape)
+        return m.MeshArg(self._shape)
 
     @property
     def device_type(self) -> str:
@@ -109,15 +117,14 @@ class DeviceMesh:
 
     def _live(self):
         if self.client is None:
-            raise RuntimeError(f"{self!r} has no fleet: it is a pure geometry value. Get a live mesh from "
+            raise UsageError(f"{self!r} has no fleet: it is a pure geometry value. Get a live mesh from "
                                f"tdmesh.local_mesh() or tdmesh.world_mesh()")
         return self.client
 
-    def activate(self):
+    def activate(self) -> Activation:
         """Make this mesh the one ops run on, now; usable as a context manager that restores
         the previous mesh on exit."""
-        from ._context import Activation
-        self._live()._check_usable()
+        self._live().check_usable()
         return Activation(self)
 
     def rank(self, dims: str | Sequence[str]):
@@ -126,7 +133,7 @@ class DeviceMesh:
             dims = (dims,)
         for d in dims:
             self._shape.dim(d)
-        return _builtin("mesh_rank")(self, tuple(dims))
+        return _mesh_rank(self, tuple(dims))
 
     @property
     def ranks(self) -> dict:
@@ -134,16 +141,15 @@ class DeviceMesh:
 
     def process_idx(self):
         """A remote int64 scalar: each worker's global rank."""
-        return _builtin("process_idx")(self)
+        return _process_idx(self)
 
     def process_group(self, dims: str | Sequence[str]):
         """A process group over ``dims`` that remote functions receive as a real
         ``torch.distributed.ProcessGroup`` (on the calling stream).  Each call is a new group."""
-        from .remote import RemoteProcessGroup
         self._live()
         return RemoteProcessGroup(self, dims)
 
-    def torch_mesh(self) -> "TorchMeshHandle":
+    def torch_mesh(self) -> TorchMeshHandle:
         """A handle that a remote function receives as a ``torch.distributed`` DeviceMesh with
         this mesh's dims and groups, so DTensor / FSDP2 code runs unchanged on the workers."""
         self._live()
@@ -151,12 +157,8 @@ class DeviceMesh:
 
     def exit(self, error: str | None = None) -> None:
         """Shut the fleet down (idempotent) and raise any remote error nobody observed."""
-        root = self
-        while root._parent is not None:
-            root = root._parent
-        fleet = getattr(root, "_fleet", None)
-        if fleet is not None:
-            fleet.exit(error)
+        if self.fleet is not None:
+            self.fleet.exit(error)
         elif self.client is not None:
             self.client.shutdown(error)
 
@@ -167,6 +169,35 @@ class DeviceMesh:
         return f"DeviceMesh {self._shape}\n{self.to_table()}"
 
 
+class RemoteProcessGroup:
+    """``mesh.process_group(dims)``: a remote function receives it as a real
+    ``torch.distributed.ProcessGroup`` over ``dims``, on the stream the call runs on."""
+
+    def __init__(self, mesh: DeviceMesh, dims) -> None:
+        if isinstance(dims, str):
+            dims = (dims,)
+        self.mesh = mesh
+        self.dims = normalize_dims(mesh.shape, dims)
+        self.ref = mesh.client.new_ref()
+
+    def size(self) -> int:
+        """Members of each group: ``mesh.size(dims)``."""
+        return self.mesh.size(self.dims)
+
+    def _tdmesh_wire(self):
+        return m.ProcessGroupArg(self.ref, self.mesh.shape, self.dims)
+
+    def _tdmesh_groups(self, client, stream: int):
+        """Before a call that takes this group runs on ``stream``: its groups exist there."""
+        if self.mesh.client is not client:
+            raise TypeError(f"{self!r} belongs to another fleet than the mesh this call runs on")
+        client.ensure_groups("remote", stream, self.mesh.shape, self.dims, self.ref)
+        return self._tdmesh_wire()
+
+    def __repr__(self) -> str:
+        return f"<tdmesh.RemoteProcessGroup {self.ref} over {list(self.dims)} of {self.mesh.shape}>"
+
+
 class TorchMeshHandle:
     """See :meth:`DeviceMesh.torch_mesh`."""
 
@@ -174,25 +205,19 @@ class TorchMeshHandle:
         self.mesh = mesh
 
     def _tdmesh_wire(self):
-        from .messages import TorchMeshArg
-        return TorchMeshArg(self.mesh.shape)
+        return m.TorchMeshArg(self.mesh.shape)
+
+    def _tdmesh_groups(self, client, stream: int) -> None:
+        """Before a call that takes this mesh runs on ``stream``: one group per dim there."""
+        for d in self.mesh.names:
+            client.ensure_groups("dims", stream, self.mesh.shape, (d,))
 
     def __repr__(self) -> str:
         return f"<torch DeviceMesh handle for {self.mesh.shape}>"
 
 
-_builtins: dict = {}
-
-
-def _builtin(name: str):
-    fn = _builtins.get(name)
-    if fn is None:
-        import torch
-        from .remote import Remote
-        fn = Remote(f"tdmesh.worker.builtins.{name}",
-                    propagate=lambda *a: torch.empty((), dtype=torch.int64))
-        _builtins[name] = fn
-    return fn
+_mesh_rank = Remote("tdmesh.worker.builtins.mesh_rank", propagate=lambda *a: torch.empty((), dtype=torch.int64))
+_process_idx = Remote("tdmesh.worker.builtins.process_idx", propagate=lambda *a: torch.empty((), dtype=torch.int64))
 
 
 def _ranks_text(shape: Shape) -> str:

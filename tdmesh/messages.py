@@ -2,12 +2,16 @@
 
 Client -> worker messages carry ``Ref`` placeholders where tensors go; worker -> client
 messages report values, root failures and progress.  Records are NamedTuples because
-they pickle small and fast, and the hot path pickles one per op.
+they pickle small and fast, and the hot path pickles one per op.  ``REF_FIELDS`` says, in
+one table, which fields of each message hold refs: renaming a recording on the worker, the
+refs a recording defines and the client's recording signatures all read it.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
+
+from .slice import Slice
 
 
 class Ref(NamedTuple):
@@ -20,24 +24,24 @@ class CallFunction(NamedTuple):
     """Run ``function(*args, **kwargs)``; bind flattened results to ``results``
     (``None`` slots are dropped); on failure poison ``results`` and ``mutates``."""
     seq: int
-    results: tuple            # tuple[int | None, ...]
-    mutates: tuple            # tuple[int, ...]
-    function: Any             # str import path, or bytes (a pickled callable)
-    args: tuple
+    results: tuple[int | None, ...]
+    mutates: tuple[int, ...]
+    function: str | bytes     # an import path, or a pickled callable
+    args: tuple | bytes       # aten ops: Refs among plain values; user functions: sealed (pickled) with kwargs
     kwargs: dict
     stream: int = 0
-    process_groups: tuple = ()  # ProcessGroupArgs among the args: created, in order, before it runs
+    process_groups: tuple[ProcessGroupArg, ...] = ()  # created, in order, before it runs
 
 
 class SendValue(NamedTuple):
     """Send ``function(*args, **kwargs)`` (or ``args[0]`` with no function) back as a FetchResult."""
     seq: int
-    mutates: tuple
-    function: Any
-    args: tuple
+    mutates: tuple[int, ...]
+    function: str | bytes | None
+    args: tuple | bytes
     kwargs: dict
     stream: int = 0
-    process_groups: tuple = ()
+    process_groups: tuple[ProcessGroupArg, ...] = ()
 
 
 class Reduce(NamedTuple):
@@ -45,7 +49,7 @@ class Reduce(NamedTuple):
     seq: int
     result: Optional[int]     # the output ref, or None when the output is ``out``/the input itself
     tensor: int
-    factory: tuple            # (shape, dtype name) of the input, for zeros when it is poisoned
+    factory: tuple[tuple[int, ...], str]  # (shape, dtype name) of the input, for zeros when it is poisoned
     group: int                # the CreateGroups id of (stream, mesh, dims): ints pickle fast
     reduction: str            # sum avg product min max band bor bxor stack
     scatter: bool
@@ -58,8 +62,8 @@ class ReduceMany(NamedTuple):
     """In-place reduce of several tensors over one group: one collective per dtype bucket
     (as DDP buckets gradients), each rank's tensors flattened in this order."""
     seq: int
-    tensors: tuple            # tuple[int, ...] refs, reduced in place
-    factories: tuple          # (shape, dtype name) per tensor, for zeros where one is poisoned
+    tensors: tuple[int, ...]  # refs, reduced in place
+    factories: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name) per tensor, for zeros where poisoned
     group: int
     reduction: str            # sum avg product min max band bor bxor
     stream: int = 0
@@ -69,10 +73,10 @@ class SendTensor(NamedTuple):
     """``to_mesh``: ``from_ranks[i]`` sends ``tensor`` to ``to_ranks[i]``, which binds ``result``."""
     seq: int
     result: int
-    from_ranks: Any           # Slice
-    to_ranks: Any             # Slice
+    from_ranks: Slice
+    to_ranks: Slice
     tensor: int
-    factory: tuple
+    factory: tuple[tuple[int, ...], str]
     from_stream: int
     to_stream: int
 
@@ -95,17 +99,20 @@ class CreateGroups(NamedTuple):
     id: int = 0               # the client's number for this key; hot messages name groups by it
 
 
+MAX_COMMANDS_PER_CHUNK = 1000  # messages of one DefineRecording: a recording of many ops travels in chunks
+
+
 class DefineRecording(NamedTuple):
-    """One chunk (``index`` of ``total``) of a compiled function's messages for this rank.
+    """One chunk (``chunk`` of ``total``) of a compiled function's messages for this rank.
 
     ``formals`` and ``results`` are the refs the recorded messages use for the inputs and
     outputs; every other ref they define is a temporary of one call.
     """
     recording: int
     commands: tuple
-    formals: tuple
-    results: tuple
-    index: int
+    formals: tuple[int, ...]
+    results: tuple[int, ...]
+    chunk: int
     total: int
 
 
@@ -113,8 +120,8 @@ class CallRecording(NamedTuple):
     """Replay ``recording`` with ``actuals`` for its formals, binding ``results``."""
     seq: int
     recording: int
-    actuals: tuple
-    results: tuple
+    actuals: tuple[int, ...]
+    results: tuple[int, ...]
 
 
 class BorrowCreate(NamedTuple):
@@ -142,16 +149,13 @@ class BorrowDrop(NamedTuple):
 
 
 class DeleteRefs(NamedTuple):
-    refs: tuple
+    """Forget these refs (on every stream of the worker)."""
+    refs: tuple[int, ...]
 
 
 class RequestStatus(NamedTuple):
     """Answer ``Status(seq + 1)`` once everything sent before this has run."""
     seq: int
-
-
-class CommandGroup(NamedTuple):
-    commands: tuple
 
 
 class Supervise(NamedTuple):
@@ -222,10 +226,31 @@ class DependentError(NamedTuple):
     seq: int
 
 
-CLIENT_TO_WORKER = (CallFunction, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups, DefineRecording, CallRecording,
-                    BorrowCreate, BorrowFirstUse, BorrowLastUse,
-                    BorrowDrop, DeleteRefs, RequestStatus, CommandGroup, Supervise, Detach, Exit)
+CLIENT_TO_WORKER = (CallFunction, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups, DefineRecording,
+                    CallRecording, BorrowCreate, BorrowFirstUse, BorrowLastUse, BorrowDrop, DeleteRefs, RequestStatus,
+                    Supervise, Detach, Exit)
 WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status)
+
+# Which fields of a client->worker message hold refs, and how:
+#   "def"   one ref the message defines (None: it defines none)   "defs"  a tuple of them (None slots allowed)
+#   "use"   one ref it reads or writes (None allowed)              "uses"  a tuple of them
+#   "args"  Ref placeholders anywhere inside (sealed bytes: inside the pickle)
+#   "borrow" a borrow id (named like a ref, renamed with the borrows of a recording)
+# The seq (first field, where there is one) is the op's own.  Messages not listed hold no refs.
+REF_FIELDS: dict[Any, dict[str, str]] = {  # NamedTuple message class -> {field: kind}
+    CallFunction: {"results": "defs", "mutates": "uses", "args": "args", "kwargs": "args"},
+    SendValue: {"mutates": "uses", "args": "args", "kwargs": "args"},
+    Reduce: {"result": "def", "tensor": "use", "out": "use"},
+    ReduceMany: {"tensors": "uses"},
+    SendTensor: {"result": "def", "tensor": "use"},
+    CallRecording: {"actuals": "uses", "results": "defs"},
+    DefineRecording: {"formals": "uses", "results": "defs"},  # the recording's own names for its inputs and outputs
+    BorrowCreate: {"result": "def", "borrow": "borrow", "tensor": "use"},
+    BorrowFirstUse: {"borrow": "borrow"},
+    BorrowLastUse: {"borrow": "borrow"},
+    BorrowDrop: {"borrow": "borrow"},
+    DeleteRefs: {"refs": "uses"},
+}
 
 
 class MeshArg(NamedTuple):
@@ -257,6 +282,7 @@ class PackedTensor(NamedTuple):
 def pack_tensor(t):
     """``t`` (detached, on CPU) as a PackedTensor, or ``t`` itself for layouts bytes can't carry."""
     import ctypes
+
     import torch
     if t.layout is not torch.strided or t.is_quantized or t.is_nested or t.requires_grad:
         return t

@@ -9,7 +9,10 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
+
 from ._context import get_active_mesh
+from .fetch import fetch_shard
 from .remote import remote
 
 __all__ = ["profile"]
@@ -18,8 +21,6 @@ __all__ = ["profile"]
 @contextlib.contextmanager
 def profile(directory: str, mesh=None, record_shapes: bool = False):
     """Profile every worker of ``mesh`` (default: the active mesh) while the block runs."""
-    import torch
-    from .fetch import fetch_shard
     mesh = mesh if mesh is not None else get_active_mesh()
     directory = os.path.abspath(directory)
     start = remote("tdmesh.worker.builtins.profile_start", propagate="inspect")

@@ -38,7 +38,7 @@ def op_aliasing(func) -> OpAliasing:
         pass
     schema = func._schema
     by_set: dict[str, int] = {}
-    mutated = []
+    mutated: list[int] = []
     for i, arg in enumerate(schema.arguments):
         info = arg.alias_info
         if info is not None:
@@ -46,7 +46,7 @@ def op_aliasing(func) -> OpAliasing:
                 by_set.setdefault(s, i)
             if info.is_write:
                 mutated.append(i)
-    returns = []
+    returns: list[tuple[int | None, bool, bool]] = []
     for ret in schema.returns:
         info = ret.alias_info
         is_list = isinstance(ret.type, torch.ListType)
@@ -76,7 +76,7 @@ def meta_tensor(meta: TensorMeta) -> torch.Tensor:
 
 
 def tensor_meta(t: torch.Tensor) -> TensorMeta:
-    return TensorMeta(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+    return TensorMeta(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
 
 
 class Propagated(NamedTuple):

@@ -28,6 +28,7 @@ import torch
 from ._context import get_active_mesh
 from .remote import remote
 from .tensor import Tensor
+from .wire import to_wire
 
 __all__ = [
     "State", "get_state", "set_state", "new_state", "make_deterministic", "set_manual_seed_remote",
@@ -51,8 +52,7 @@ class State(NamedTuple):
     def _tdmesh_wire(self):
         """How a State travels (``fetch_shard(state)``, remote-function arguments): as a plain
         ``(cpu, cuda)`` tuple of refs, since the wire format only walks plain tuples."""
-        from .tensor import _wire
-        return (_wire(self.cpu), _wire(self.cuda))
+        return (to_wire(self.cpu), to_wire(self.cuda))
 
 
 def _state_meta(*_args):

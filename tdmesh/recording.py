@@ -12,14 +12,21 @@ from __future__ import annotations
 
 import functools
 import itertools
+import pickle
+import weakref
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import messages as m
+from ._context import active_mesh_or_none
+from .errors import UsageError, call_site, user_line
+from .issue import New, issue
+from .placement import check_inputs, check_no_grad
 from .stream import get_active_stream
-from .tensor import Tensor, _Aliases, _raise, call_site, check_inputs, user_line
-from .worker.recordings import MAX_COMMANDS_PER_CHUNK
+from .tensor import Tensor, raise_in_op
 
 __all__ = ["compile"]
 
@@ -27,19 +34,25 @@ _recording_ids = itertools.count(1)
 
 
 class Recorder:
-    """Collects the messages a traced function would have sent, per rank."""
+    """The client's sink while a compiled function is traced: keeps the messages that would
+    have been sent (per rank), the proxies made, and every tensor an op read."""
 
     def __init__(self, client) -> None:
         self.client = client
         self.messages: list[tuple[tuple, object, list, list]] = []
-        self.created: list = []  # weakrefs to the _Refs made while tracing
+        self.created: list = []  # weakrefs to the RefOwners made while tracing
         self.seen: dict[int, Tensor] = {}  # every tensor an op read while tracing, by ref
 
-    def add(self, ranks: tuple, msg, uses, defs) -> None:
+    def submit(self, ranks, msg, seq=None, uses=(), defs=(), future=None, inputs=(), deletes_first=False) -> None:
         if type(msg) in (m.SendValue, m.RequestStatus):
             raise NotImplementedError("NYI: fetching values inside a compiled function; return the tensor and "
                                       "fetch it after the call")
-        self.messages.append((ranks, msg, list(uses), list(defs)))
+        for t in inputs:
+            self.seen[t.ref] = t
+        self.messages.append((tuple(ranks), msg, list(uses), list(defs)))
+
+    def made(self, proxies) -> None:
+        self.created.extend(weakref.ref(t._r) for t in proxies)
 
 
 class _Compiled:
@@ -51,48 +64,45 @@ class _Compiled:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        from ._context import active_mesh_or_none
         flat, spec = tree_flatten((args, kwargs))
         inputs = [x for x in flat if type(x) is Tensor]
         mesh = inputs[0].mesh if inputs else active_mesh_or_none()
         if mesh is None or mesh.client is None:
             raise ValueError("a compiled function runs on a mesh: call it under `with mesh.activate():`")
         client = mesh.client
-        if client.recorder is not None:  # compile inside compile: just run it
+        if type(client.sink) is Recorder:  # compile inside compile: just run it
             return self.fn(*args, **kwargs)
         for t in inputs:
-            if t.requires_grad and torch.is_grad_enabled():
-                _raise(TypeError(f"REQUIRES_GRAD: tdmesh.compile does not record autograd; tensor {t.ref} "
-                                 f"requires grad\n  at {user_line()}"))
+            check_no_grad(t, "tdmesh.compile (it does not record autograd)")
         key = _key(spec, flat)
         rec = self.recordings.get(key)
         if rec is None:
             rec, outputs = self._trace(client, args, kwargs, inputs)
             self.recordings[key] = rec
             rec.define(client)
-            rec.call(client, inputs)
+            rec.call(mesh, inputs)
             return outputs
         if self.verify and not rec.verified:
             again, outputs = self._trace(client, args, kwargs, inputs)
             at = rec.diverges_from(again)
             if at is not None:
-                raise RuntimeError(f"tdmesh.compile failed to verify recording. Recording diverges at operation "
+                raise UsageError(f"tdmesh.compile failed to verify recording. Recording diverges at operation "
                                    f"{at}: the function does not send the same operations on every call "
                                    f"(a data- or Python-dependent branch?)\n  at {user_line()}")
             rec.verified = True
-            rec.call(client, inputs, again)
+            rec.call(mesh, inputs, again)
             return outputs
-        return rec.replay(client, inputs)
+        return rec.replay(mesh, inputs)
 
-    def _trace(self, client, args, kwargs, inputs) -> tuple["_Recording", object]:
-        recorder = client.recorder = Recorder(client)
+    def _trace(self, client, args, kwargs, inputs) -> tuple[_Recording, object]:
+        recorder = client.sink = Recorder(client)
         try:
             try:
                 outputs = self.fn(*args, **kwargs)
             except BaseException:
                 try:
                     _drop_traced_borrows(recorder)
-                except Exception:  # the function's own error is the one to report
+                except Exception:  # noqa: BLE001 - the function's own error is the one to report
                     pass
                 # nothing of this trace reached the workers: a tensor it made (and leaked) names a
                 # ref they never had, which would stop them; make it DROPPED on the client instead
@@ -103,18 +113,18 @@ class _Compiled:
                         r.dropped_at = site
                 raise
             if _drop_traced_borrows(recorder):
-                raise RuntimeError(f"all borrows created within a compiled function must be dropped within it "
+                raise UsageError(f"all borrows created within a compiled function must be dropped within it "
                                    f"(call borrow.drop() before it returns)\n  at {user_line()}")
         finally:
-            client.recorder = None
+            client.sink = client
         self.traces += 1
         out_flat, out_spec = tree_flatten(outputs)
         for o in out_flat:
             if isinstance(o, torch.Tensor) and type(o) is not Tensor:
                 raise TypeError(f"a compiled function returns tdmesh tensors, got a local {type(o).__name__}")
             if type(o) is Tensor and o.requires_grad:
-                _raise(TypeError(f"REQUIRES_GRAD: a compiled function cannot return tensor {o.ref}, which "
-                                 f"requires grad\n  at {user_line()}"))
+                raise_in_op("REQUIRES_GRAD", f"a compiled function cannot return tensor {o.ref}, which requires "
+                                             f"grad")
         rec = _Recording(recorder, inputs, out_flat, out_spec)
         site = call_site()
         keep = {o._r.id for o in out_flat if type(o) is Tensor}
@@ -164,7 +174,9 @@ class _Recording:
         self.captures = [recorder.seen[r] for r in self.capture_refs if r in recorder.seen]
         self.mutated_outside = [r for r in dict.fromkeys(mutated) if r not in self.defined]
         self.out_spec = out_spec
-        self.outputs = []  # per leaf: ("value", v) | ("formal", i) | ("capture", t) | ("result", meta, source, stream)
+        # per output leaf: ("value", v) | ("formal", i) | ("capture", t)
+        #                  | ("result", meta, source, stream, device, mesh)
+        self.outputs: list[tuple] = []
         self.results = []
         input_aliases = [t._r.aliases for t in inputs]
         for o in out_flat:
@@ -180,25 +192,51 @@ class _Recording:
                 self.results.append(o.ref)
         self.ranks = sorted({r for ranks, *_ in self.messages for r in ranks})
 
-    def signature(self):
+    def signature(self) -> list:
+        """The recording with its refs, borrow ids and seqs numbered by first appearance (the
+        ref fields are those of ``messages.REF_FIELDS``): two traces that send the same
+        operations have equal signatures."""
         names: dict[int, int] = {}
         counter = itertools.count()
+
+        def ref(r):
+            return None if r is None else names.setdefault(r, next(counter))
 
         def norm(x):
             t = type(x)
             if t is m.Ref:
-                return ("ref", names.setdefault(x.id, next(counter)))
+                return ("ref", ref(x.id))
             if t is tuple or t is list:
                 return tuple(norm(y) for y in x)
             if t is dict:
                 return tuple((k, norm(v)) for k, v in x.items())
+            if t is bytes:  # sealed arguments of a user function
+                return norm(pickle.loads(x))
             if isinstance(x, torch.Tensor):
                 return ("tensor", tuple(x.shape), str(x.dtype))
             return x
-        return [(ranks, type(msg).__name__, getattr(msg, "function", None), norm(getattr(msg, "args", None)))
-                for ranks, msg, _, _ in self.messages]
 
-    def diverges_from(self, other: "_Recording"):
+        rows = []
+        for ranks, msg, _, _ in self.messages:
+            msg_: Any = msg
+            kinds = m.REF_FIELDS.get(type(msg), {})
+            row: list = [ranks, type(msg).__name__]
+            for field, value in zip(msg_._fields, msg_):
+                kind = kinds.get(field)
+                if field == "seq":
+                    continue
+                if kind in ("def", "use", "borrow"):
+                    row.append(ref(value))
+                elif kind in ("defs", "uses"):
+                    row.append(tuple(ref(r) for r in value))
+                elif field == "function":  # an import path, or a pickled callable: compared as it is
+                    row.append(value)
+                else:
+                    row.append(norm(value))
+            rows.append(tuple(row))
+        return rows
+
+    def diverges_from(self, other: _Recording):
         mine, theirs = self.signature(), other.signature()
         for i, (a, b) in enumerate(zip(mine, theirs)):
             if a != b:
@@ -208,56 +246,57 @@ class _Recording:
     def define(self, client) -> None:
         for rank in self.ranks:
             commands = tuple(msg for ranks, msg, _, _ in self.messages if rank in ranks)
-            chunks = [commands[i:i + MAX_COMMANDS_PER_CHUNK] for i in range(0, len(commands), MAX_COMMANDS_PER_CHUNK)] or [()]
+            step = m.MAX_COMMANDS_PER_CHUNK
+            chunks = [commands[i:i + step] for i in range(0, len(commands), step)] or [()]
             for index, chunk in enumerate(chunks):
-                client.send(None, m.DefineRecording(self.id, chunk, tuple(self.formals), tuple(self.results),
-                                                    index, len(chunks)), ranks=(rank,), setup=True)
+                client.send_setup(m.DefineRecording(self.id, chunk, tuple(self.formals), tuple(self.results),
+                                                    index, len(chunks)), ranks=(rank,))
 
-    def call(self, client, inputs: list, traced: "_Recording | None" = None) -> None:
+    def call(self, mesh, inputs: list, traced: _Recording | None = None) -> None:
         """Run the recording for a call that was just traced: its results are the traced refs."""
-        self._send(client, inputs, list((traced or self).results))
+        self._send(mesh, inputs, [], list((traced or self).results))
 
-    def _send(self, client, inputs: list, results: list) -> None:
+    def _send(self, mesh, inputs: list, outputs: list, traced: Sequence[int] = ()) -> list:
+        """One CallRecording on this recording's ranks: ``outputs`` are the new proxies of a
+        replay, ``traced`` the refs of a traced call's own outputs instead."""
         actual_refs = [t.ref for t in inputs]
         rename = dict(zip(self.formals, actual_refs))
-        mutated = []
+        mutated: list[int] = []
         for r in self.mutated_outside:
             target = rename.get(r, r)
             owner = next((t for t in inputs if t.ref == target), None) or next(
                 (t for t in self.captures if t.ref == target), None)
-            mutated.extend(owner._r.aliases.refs if owner is not None else [target])
-        with client.lock:
-            seq = client.new_seq()
-            client.send(None, m.CallRecording(seq, self.id, tuple(actual_refs), tuple(results)), seq,
-                        actual_refs + self.capture_refs, results + mutated, ranks=self.ranks)
+            mutated.extend(owner.aliases.refs if owner is not None else [target])
 
-    def replay(self, client, inputs: list):
+        def build(seq, new_refs, _mutated):
+            return m.CallRecording(seq, self.id, tuple(actual_refs), tuple(traced) + new_refs)
+
+        return issue(mesh, build, outputs=outputs, ranks=self.ranks, uses=actual_refs + self.capture_refs,
+                     defs=list(traced) + mutated)
+
+    def replay(self, mesh, inputs: list):
         stream = get_active_stream()
         if self.captures:
             check_inputs(self.captures, self.captures[0].mesh, "a compiled function (a captured tensor)", stream)
-        leaves = []
-        results = []
-        with client.lock:
-            for kind, *rest in self.outputs:
-                if kind == "value":
-                    leaves.append(rest[0])
-                elif kind == "formal":
-                    leaves.append(inputs[rest[0]])
-                elif kind == "capture":
-                    leaves.append(rest[0])
-                else:
-                    meta, source, out_stream, device, mesh = rest
-                    aliases = inputs[source]._r.aliases if source is not None else _Aliases()
-                    ref = client.new_ref()
-                    leaves.append(Tensor(meta, device, mesh, ref, aliases, out_stream))
-                    results.append(ref)
-            self._send(client, inputs, results)
-        return tree_unflatten(leaves, self.out_spec)
+        slots: list = []  # per output leaf: (is a new proxy, the value or its index among the new ones)
+        new: list = []
+        for kind, *rest in self.outputs:
+            if kind == "value" or kind == "capture":
+                slots.append((False, rest[0]))
+            elif kind == "formal":
+                slots.append((False, inputs[rest[0]]))
+            else:
+                meta, source, out_stream, device, out_mesh = rest
+                slots.append((True, len(new)))
+                new.append(New(meta, inputs[source].aliases if source is not None else None, out_stream, device,
+                               out_mesh))
+        proxies = self._send(mesh, inputs, new)
+        return tree_unflatten([proxies[v] if is_new else v for is_new, v in slots], self.out_spec)
 
 
 def _key(spec, flat) -> tuple:
     aliases: dict[int, int] = {}
-    parts = []
+    parts: list = []
     for x in flat:
         if type(x) is Tensor:
             parts.append(("T", x._meta, id(x.mesh), x.stream.id, x.requires_grad,

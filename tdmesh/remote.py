@@ -9,22 +9,25 @@ callable run on meta tensors, or ``"inspect"`` for functions called for side eff
 from __future__ import annotations
 
 import importlib
-import sys
-from typing import Any, Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten, treespec_loads
 
 from . import messages as m
-from ._context import active_mesh_or_none
+from ._coalescing import check_not_coalescing
+from .errors import user_line
+from .fetch import mesh_of, prepare_call, send_value, shard_rank
+from .future import Future
+from .issue import New, issue
+from .placement import check_mutation
 from .propagation import TensorMeta, meta_tensor, tensor_meta
-from .mesh import TorchMeshHandle
 from .stream import get_active_stream
-from .tensor import (Tensor, _Aliases, _describe, _op_path, _wire, check_inputs, check_mutation, sealed_args,
-                     user_line)
+from .tensor import Tensor
+from .wire import op_path, sealed_args
 
-__all__ = ["remote", "Remote", "function_path"]
+__all__ = ["remote", "Remote", "function_path", "call_on_shard_and_fetch"]
 
 
 def function_path(fn) -> str | bytes:
@@ -34,7 +37,7 @@ def function_path(fn) -> str | bytes:
             raise ValueError(f"remote function path {fn!r} must be a dotted import path like 'os.path.split'")
         return fn
     if isinstance(fn, torch._ops.OpOverload):
-        return _op_path(fn)
+        return op_path(fn)
     if isinstance(fn, Remote):
         return fn._target
     if not callable(fn):
@@ -79,12 +82,11 @@ class Remote:
     def __call__(self, *args, **kwargs):
         return call_remote(self, args, kwargs)
 
-    def call(self, *args, **kwargs):
+    def call(self, *args, **kwargs) -> Future:
         """Run on every rank of the mesh and fetch each rank's (picklable) return value:
         a Future of a ``ValueMesh`` to iterate as ``(point, value)``."""
-        from .fetch import _send_value_all
         flat, _ = tree_flatten((args, kwargs))
-        return _send_value_all(_mesh_of(flat), self._target, args, kwargs)
+        return send_value(mesh_of(flat), self._target, args, kwargs, None)
 
 
 def remote(fn=None, *, propagate=None):
@@ -94,97 +96,58 @@ def remote(fn=None, *, propagate=None):
     return Remote(fn, propagate)
 
 
-def _mesh_of(flat) -> Any:
-    mesh = None
-    for x in flat:
-        if isinstance(x, torch.Tensor):
-            if type(x) is not Tensor:
-                raise TypeError(f"LOCAL_TENSOR: remote functions take tensors on the mesh, got "
-                                f"{_describe(x)}\n  at {user_line()}")
-            if mesh is None:
-                mesh = x._mesh
-            elif x._mesh is not mesh:
-                raise TypeError(f"WRONG_MESH: remote function arguments live on two meshes "
-                                f"({mesh.shape} and {x._mesh.shape})\n  at {user_line()}")
-    if mesh is None:
-        mesh = active_mesh_or_none()
-    if mesh is None:  # no tensors, no active mesh: a mesh argument says where
-        from .mesh import DeviceMesh
-        mesh = next((x for x in flat if isinstance(x, DeviceMesh)), None)
-    if mesh is None:
-        raise ValueError("Remote functions require an active device mesh, use `with mesh.activate():`")
-    return mesh
-
-
-def prepare_call(flat, mesh, stream) -> tuple:
-    """Checks shared by remote calls and fetches: placement and borrow rules of the tensor
-    arguments, and creation of the process groups passed as arguments (once per stream)."""
-    remote_args = [x for x in flat if type(x) is Tensor]
-    check_inputs(remote_args, mesh, "a remote function", stream)
-    groups = []
-    for x in flat:
-        if isinstance(x, RemoteProcessGroup):
-            if x.mesh.client is not mesh.client:
-                raise TypeError(f"{x!r} belongs to another fleet than the mesh this call runs on\n  at {user_line()}")
-            mesh.client.ensure_groups("remote", stream.id, x.mesh.shape, x.dims, x.ref)
-            groups.append(x._tdmesh_wire())
-        elif isinstance(x, TorchMeshHandle):
-            for d in x.mesh.names:
-                mesh.client.ensure_groups("dims", stream.id, x.mesh.shape, (d,))
-    return remote_args, tuple(groups)
+def call_on_shard_and_fetch(remote_fn: Remote, *args, shard: dict | None = None, **kwargs) -> Future:
+    """Run ``remote_fn`` on one rank and fetch what it returns (an Exception returned is a value)."""
+    if not isinstance(remote_fn, Remote):
+        raise TypeError(f"call_on_shard_and_fetch needs a tdmesh.remote function, got {remote_fn!r}\n"
+                        f"  at {user_line()}")
+    flat, _ = tree_flatten((args, kwargs))
+    mesh = mesh_of(flat)
+    return send_value(mesh, remote_fn._target, args, kwargs, shard_rank(mesh, shard, {}))
 
 
 def call_remote(fn: Remote, args: tuple, kwargs: dict):
     flat, _ = tree_flatten((args, kwargs))
-    mesh = _mesh_of(flat)
-    client = mesh.client
+    mesh = mesh_of(flat)
     stream = get_active_stream()
     remote_args, groups = prepare_call(flat, mesh, stream)
     if fn._propagate == "inspect":
-        outputs, out_leaves, mutated = None, [], []
+        spec, out_leaves, mutated = None, [], []
     elif fn._propagate is None or fn._propagate == "cached":
-        outputs, out_leaves, mutated = _propagate_cached(fn, args, kwargs, flat, mesh)
+        spec, out_leaves, mutated = _propagate_cached(fn, args, kwargs, flat, mesh)
     else:
-        outputs, out_leaves, mutated = _propagate_with(fn._propagate, args, kwargs)
-    with client.lock:
-        results = []
-        proxies = []
-        for leaf, source in out_leaves:
-            if leaf is None:  # the function returns None in this slot
-                results.append(None)
-                proxies.append(None)
-                continue
-            ref = client.new_ref()
-            aliases = source._r.aliases if source is not None else _Aliases()
-            proxies.append(Tensor(tensor_meta(leaf), client.device, mesh, ref, aliases, stream))
-            results.append(ref)
-        for t in mutated:
-            check_mutation(t, fn)
-        mutated_refs = [r for t in mutated for r in t._r.aliases.refs]
-        seq = client.new_seq()
-        msg = m.CallFunction(seq, tuple(results), tuple(mutated_refs), fn._target, sealed_args(args, kwargs), {},
-                             stream.id, groups)
-        client.send(mesh, msg, seq, [t.ref for t in remote_args], [r for r in results if r is not None] + mutated_refs)
-    if outputs is None:
+        spec, out_leaves, mutated = _propagate_with(fn._propagate, args, kwargs)
+    for t in mutated:
+        check_mutation(t, fn)
+    outputs = [None if leaf is None else New(tensor_meta(leaf), source.aliases if source is not None else None)
+               for leaf, source in out_leaves]
+    sealed = sealed_args(args, kwargs)
+
+    def build(seq, results, mutated_refs):
+        return m.CallFunction(seq, results, mutated_refs, fn._target, sealed, {}, stream.id, groups)
+
+    proxies = issue(mesh, build, inputs=remote_args, outputs=outputs, mutated=mutated, device=mesh.client.device,
+                    stream=stream)
+    if spec is None:
         return None
-    return tree_unflatten(proxies, outputs)
+    return tree_unflatten(proxies, spec)
 
 
 def _propagate_cached(fn: Remote, args, kwargs, flat, mesh):
     """Outputs of ``fn`` learnt by running it once, for real, on the mesh's first rank, then
     cached by the arguments' structure, values, tensor metadata, aliasing and requires_grad."""
-    from .mesh import DeviceMesh
     tensors = [x for x in flat if type(x) is Tensor]
     alias_ids: dict[int, int] = {}
 
     def key_of(x):
         if type(x) is Tensor:
-            return ("T", x._meta, x.requires_grad, alias_ids.setdefault(id(x._r.aliases), len(alias_ids)))
-        if isinstance(x, (RemoteProcessGroup, TorchMeshHandle)):
+            return ("T", x._meta, x.requires_grad, alias_ids.setdefault(id(x.aliases), len(alias_ids)))
+        if hasattr(x, "_tdmesh_groups"):
             raise TypeError(f"{fn!r} takes a process group or device mesh: cached propagation would run it on "
-                            f"one rank, where a collective waits forever; pass propagate=<callable>\n  at {user_line()}")
-        if isinstance(x, DeviceMesh):
-            return ("mesh", x.shape)
+                            f"one rank, where a collective waits forever; pass propagate=<callable>\n"
+                            f"  at {user_line()}")
+        if hasattr(x, "_tdmesh_wire"):  # a mesh: its shape is what the function sees
+            return ("wire", x._tdmesh_wire())
         if isinstance(x, (float, bool, complex)):  # 2 == 2.0 == True, but they are different calls
             return (type(x), x)
         return x
@@ -196,19 +159,17 @@ def _propagate_cached(fn: Remote, args, kwargs, flat, mesh):
     except TypeError:  # unhashable arguments: probe every time
         key, hit = None, None
     if hit is None:
-        from ._coalescing import check_not_coalescing
-        from .fetch import _send_value
         check_not_coalescing(f"a cache miss of {fn!r} (cached propagation runs it once on a worker and waits "
                              f"for the answer: call it once before the block, or give it propagate=<callable>)")
         fn.cache_misses += 1
-        hit = _send_value(mesh, "tdmesh.worker.builtins.probe", (fn._target, args, kwargs), {},
+        hit = send_value(mesh, "tdmesh.worker.builtins.probe", (fn._target, args, kwargs), {},
                           mesh.processes.offset).result()
         if key is not None:
             fn._cache[key] = hit
     else:
         fn.cache_hits += 1
     spec_text, described, mutated_idx = hit
-    leaves = []
+    leaves: list[tuple[torch.Tensor | None, Tensor | None]] = []
     for d in described:
         if d is None:
             leaves.append((None, None))
@@ -241,7 +202,7 @@ def _propagate_with(propagate: Callable, args, kwargs):
         raise type(e)(f"{e}\n  (raised by the propagate function on the client)\n  at {user_line()}") from e
     mutated = [originals[id(t)] for t, v in zip(metas, versions) if t._version != v]
     flat_out, spec = tree_flatten(out)
-    leaves = []
+    leaves: list[tuple[torch.Tensor | None, Tensor | None]] = []
     for x in flat_out:
         if x is None:
             leaves.append((None, None))
@@ -250,26 +211,3 @@ def _propagate_with(propagate: Callable, args, kwargs):
             raise TypeError(f"the propagate function must return tensors (a pytree of them), got {type(x).__name__}")
         leaves.append((x, originals.get(id(x))))
     return spec, leaves, mutated
-
-
-class RemoteProcessGroup:
-    """``mesh.process_group(dims)``: a remote function receives it as a real
-    ``torch.distributed.ProcessGroup`` over ``dims``, on the stream the call runs on."""
-
-    def __init__(self, mesh, dims) -> None:
-        from .grouping import normalize_dims
-        if isinstance(dims, str):
-            dims = (dims,)
-        self.mesh = mesh
-        self.dims = normalize_dims(mesh.shape, dims)
-        self.ref = mesh.client.new_ref()
-
-    def size(self) -> int:
-        """Members of each group: ``mesh.size(dims)``."""
-        return self.mesh.size(self.dims)
-
-    def _tdmesh_wire(self):
-        return m.ProcessGroupArg(self.ref, self.mesh.shape, self.dims)
-
-    def __repr__(self) -> str:
-        return f"<tdmesh.RemoteProcessGroup {self.ref} over {list(self.dims)} of {self.mesh.shape}>"

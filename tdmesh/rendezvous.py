@@ -1,7 +1,7 @@
 """Finding each other through the c10d store that torchrun (or ``local_mesh``) runs.
 
-The controller publishes its address and a random token under keys scoped by the elastic
-run id and restart count, so a restarted job never reads a stale controller.  Workers read
+The client publishes its address and a random token under keys scoped by the elastic
+run id and restart count, so a restarted job never reads a stale client.  Workers read
 them, connect and prove they belong to the job with the token.
 """
 
@@ -14,11 +14,12 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 from .config import env_str
+from .errors import UsageError
 
 SHUTDOWN = "shutdown"
 
 
-def _scope() -> str:
+def job_scope() -> str:
     """Key prefix of this job attempt: explicit under local_mesh, else torchrun's run id and restart."""
     return env_str("TDMESH_SCOPE") or (
         f"tdmesh/{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{restart_count()}")
@@ -38,8 +39,8 @@ def store_address() -> tuple[str, int]:
     try:
         return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     except KeyError:
-        raise RuntimeError("no c10d store to rendezvous with: run under torchrun "
-                           "(torchrun --nproc_per_node N -m tdmesh.worker script.py) or use tdmesh.local_mesh()") from None
+        raise UsageError("no c10d store to rendezvous with: run under torchrun (torchrun --nproc_per_node N "
+                         "-m tdmesh.worker script.py) or use tdmesh.local_mesh()") from None
 
 
 def connect_store(timeout: float = 1800.0) -> TCPStore:
@@ -52,22 +53,22 @@ def new_token() -> str:
 
 
 def publish_controller(store: TCPStore, host: str, port: int, token: str, scope: str | None = None) -> None:
-    scope = scope or _scope()
+    scope = scope or job_scope()
     store.set(scope + "/token", token)
     store.set(scope + "/controller", f"{host}:{port}")
 
 
 def publish_shutdown(store: TCPStore, scope: str | None = None) -> None:
-    """Tell workers waiting for a controller that none is coming."""
-    store.set((scope or _scope()) + "/controller", SHUTDOWN)
+    """Tell workers waiting for a client that none is coming."""
+    store.set((scope or job_scope()) + "/controller", SHUTDOWN)
 
 
 def read_controller(store: TCPStore) -> tuple[str, int, str] | None:
-    """Block until the controller is published; ``None`` if the job ended without one."""
-    address = store.get(_scope() + "/controller").decode()
+    """Block until the client is published; ``None`` if the job ended without one."""
+    address = store.get(job_scope() + "/controller").decode()
     if address == SHUTDOWN:
         return None
-    token = store.get(_scope() + "/token").decode()
+    token = store.get(job_scope() + "/token").decode()
     host, port = address.rsplit(":", 1)
     return host, int(port), token
 

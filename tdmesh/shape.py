@@ -17,20 +17,14 @@ Shape({host=2, gpu=8}, Slice(offset=0, sizes=[2, 8], strides=[8, 1]))
 
 from __future__ import annotations
 
+import builtins
 import math
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
+from .errors import UnknownDimError
 from .slice import Slice, ravel, row_major_strides
 
 __all__ = ["Shape", "UnknownDimError"]
-
-
-class UnknownDimError(KeyError, ValueError):
-    """A dim name that the mesh does not have.  A ``KeyError`` (lookup by name) and a
-    ``ValueError`` (bad argument) so that code written for either convention catches it."""
-
-    def __str__(self) -> str:  # KeyError would repr-quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 def _unknown(dim, labels) -> UnknownDimError:
@@ -41,6 +35,9 @@ class Shape:
     """An immutable ``(labels, slice)`` pair; one label per dim of the slice."""
 
     __slots__ = ("_labels", "_slice", "_hash")
+    _labels: tuple[str, ...]
+    _slice: Slice
+    _hash: int
 
     def __init__(self, labels: Sequence[str], slice: Slice) -> None:
         labels = tuple(labels)
@@ -91,7 +88,7 @@ class Shape:
         return dict(zip(self._labels, self._slice.sizes))
 
     @staticmethod
-    def unity() -> "Shape":
+    def unity() -> Shape:
         """The shape of a single rank: no dims."""
         return Shape((), Slice(offset=0, sizes=[], strides=[]))
 
@@ -122,7 +119,7 @@ class Shape:
         return dict(zip(self._labels, self._slice.coordinates(rank)))
 
     # -- selection ---------------------------------------------------------------------
-    def at(self, label: str, index: int) -> "Shape":
+    def at(self, label: str, index: int) -> Shape:
         """Fix ``label`` at ``index`` and drop the dim."""
         d = self.dim(label)
         size = self._slice.sizes[d]
@@ -132,7 +129,7 @@ class Shape:
             raise IndexError(f"index {index} out of range for dim {label!r} of size {size} (valid: 0..{size - 1})")
         return Shape(self._labels[:d] + self._labels[d + 1:], self._slice.at(d, index))
 
-    def select(self, label: str, pyslice: slice) -> "Shape":
+    def select(self, label: str, pyslice: builtins.slice) -> Shape:
         """Restrict ``label`` to ``pyslice`` (Python semantics; negative steps rejected)."""
         d = self.dim(label)
         size = self._slice.sizes[d]
@@ -143,7 +140,7 @@ class Shape:
             raise ValueError(f"slice {_fmt(pyslice)} of dim {label!r} (size {size}) selects no ranks")
         return Shape(self._labels, self._slice.select(d, start, stop, step))
 
-    def index(self, /, **coords: int | slice) -> "Shape":
+    def index(self, /, **coords: int | builtins.slice) -> Shape:
         """Apply ``at`` (ints) and ``select`` (slices) in keyword order."""
         shape = self
         for label, value in coords.items():
@@ -151,13 +148,13 @@ class Shape:
         return shape
 
     # -- reshaping -------------------------------------------------------------------------
-    def rename(self, /, **renames: str) -> "Shape":
+    def rename(self, /, **renames: str) -> Shape:
         """Rename dims; ranks, sizes and strides are unchanged."""
         for old in renames:
             self.dim(old)  # an unknown dim is an UnknownDimError, not a split size constraint
         return self.split(**{old: (new,) for old, new in renames.items()})
 
-    def split(self, /, **kw: Sequence[str] | int) -> "Shape":
+    def split(self, /, **kw: Sequence[str] | int) -> Shape:
         """Split dims into several: ``split(host=("dp", "pp"), gpu=("tp",), pp=4)``.
 
         A keyword naming an existing dim gives its new dim names; any other keyword gives
@@ -201,7 +198,7 @@ class Shape:
                              f"(dims are {list(self._labels)})")
         return Shape(labels, Slice(offset=self._slice.offset, sizes=sizes, strides=strides))
 
-    def flatten(self, name: str) -> "Shape":
+    def flatten(self, name: str) -> Shape:
         """Merge every dim into one called ``name``; only dense meshes can be flattened."""
         if not self._slice.is_contiguous():
             raise ValueError(f"cannot flatten sparse mesh: {self._slice!r} has gaps between its ranks; "

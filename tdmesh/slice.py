@@ -3,8 +3,8 @@
 A ``Slice`` is ``offset + sum(c[k] * strides[k])`` for every coordinate ``c`` with
 ``0 <= c[k] < sizes[k]``.  Indexing is row-major over *coordinates* (the last dim moves
 fastest), whatever the order of the strides, so a mesh's dims can be listed in any order
-while its ranks stay put.  Pure Python on purpose: the client, the controller and the
-worker all share it, and none of them should need torch to do rank arithmetic.
+while its ranks stay put.  Pure Python on purpose: the client and the
+workers both use it, and neither should need torch to do rank arithmetic.
 
 >>> s = Slice(offset=0, sizes=[2, 3], strides=[3, 1])
 >>> list(s)
@@ -28,7 +28,7 @@ ValueError: Slice strides [1, 1] repeat stride 1 across dims of sizes 2 and 2; r
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = ["Slice", "row_major_strides", "ravel", "unravel"]
 
@@ -67,6 +67,11 @@ class Slice:
     """An immutable, hashable, picklable set of ranks laid out as a strided grid."""
 
     __slots__ = ("_offset", "_sizes", "_strides", "_len", "_hash")
+    _offset: int
+    _sizes: tuple[int, ...]
+    _strides: tuple[int, ...]
+    _len: int
+    _hash: int
 
     def __init__(self, *, offset: int, sizes: Sequence[int], strides: Sequence[int]) -> None:
         offset = _as_int("offset", offset)
@@ -185,7 +190,7 @@ class Slice:
         if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < self.ndim:
             raise IndexError(f"dim {dim!r} out of range for {self!r} with {self.ndim} dims (0..{self.ndim - 1})")
 
-    def at(self, dim: int, index: int) -> "Slice":
+    def at(self, dim: int, index: int) -> Slice:
         """Fix ``dim`` at ``index`` and drop it."""
         self._check_dim(dim)
         if not 0 <= index < self._sizes[dim]:
@@ -194,7 +199,7 @@ class Slice:
                      sizes=self._sizes[:dim] + self._sizes[dim + 1:],
                      strides=self._strides[:dim] + self._strides[dim + 1:])
 
-    def select(self, dim: int, begin: int, end: int, step: int = 1) -> "Slice":
+    def select(self, dim: int, begin: int, end: int, step: int = 1) -> Slice:
         """Keep ``range(begin, end, step)`` of ``dim`` (``end`` is clamped to the size)."""
         self._check_dim(dim)
         size = self._sizes[dim]
@@ -219,12 +224,12 @@ class Slice:
                    zip(self._sizes, self._strides, row_major_strides(self._sizes)))
 
     @staticmethod
-    def new_row_major(sizes: Sequence[int], offset: int = 0) -> "Slice":
+    def new_row_major(sizes: Sequence[int], offset: int = 0) -> Slice:
         """A dense grid of ``sizes`` starting at ``offset``."""
         return Slice(offset=offset, sizes=sizes, strides=row_major_strides(sizes))
 
     @staticmethod
-    def from_list(ranks: Sequence[int]) -> list["Slice"]:
+    def from_list(ranks: Sequence[int]) -> list[Slice]:
         """Cover ``ranks`` with 1-d arithmetic runs, scanning them in sorted order."""
         ordered = sorted(set(_as_int("rank", r) for r in ranks))
         runs: list[Slice] = []
@@ -256,7 +261,8 @@ def _validate(offset: int, sizes: tuple, strides: tuple) -> None:
     for s in sizes:
         if s < 1:
             raise ValueError(f"Slice sizes must be >= 1, got sizes {list(sizes)}")
-    prev_stride, prev_size, extent = None, None, 1
+    prev_stride: int | None = None
+    prev_size, extent = 1, 1
     for stride, size in sorted(zip(strides, sizes)):
         if stride < 1:
             raise ValueError(f"Slice strides must be >= 1, got strides {list(strides)}")

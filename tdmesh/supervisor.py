@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import NamedTuple
 
 from .config import ControllerParams, SupervisionParams
 from .errors import DeviceException
@@ -21,8 +22,58 @@ from .errors import DeviceException
 log = logging.getLogger("tdmesh")
 
 
-class FleetFailure(Exception):
-    """Inbox item: the supervisor found the fleet broken."""
+class FleetFailure(NamedTuple):
+    """Inbox item: the supervisor (or the reader) found the fleet broken."""
+    error: DeviceException
+
+
+class FleetInfo:
+    """What the client knows of its workers, to name them in errors: host, pid, log files,
+    and (for local_mesh) the launcher's account of a dead process."""
+
+    def __init__(self, hellos: dict, log_dir: str | None, process_failure: Callable[[], str | None] | None) -> None:
+        self.hellos = hellos
+        self.log_dir = log_dir
+        self.process_failure = process_failure
+
+    def describe(self, rank: int) -> str:
+        hello = self.hellos.get(rank)
+        return "" if hello is None else f"(host {hello.hostname}, pid {hello.pid})"
+
+    def where_logs(self) -> str:
+        files = {r: h.log for r, h in self.hellos.items() if h.log}
+        if files:
+            return "worker logs: " + ", ".join(f"rank {r}: {f}" for r, f in sorted(files.items()))
+        return f"worker logs: {self.log_dir or 'the terminal that started the workers'}"
+
+    def exit_reason(self) -> str | None:
+        """How dead workers ended, if the launcher can tell (local_mesh) within a moment: a
+        dead process shows first as a closed connection or a broken pipe."""
+        if self.process_failure is None:
+            return None
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            why = self.process_failure()
+            if why:
+                return why
+            time.sleep(0.05)
+        return None
+
+    def lost(self, rank: int, why: str) -> DeviceException:
+        if why.startswith("worker rank"):  # the launcher's account names the rank, host and pid itself
+            return DeviceException(f"{why}\n{self.where_logs()}")
+        return DeviceException(f"worker rank {rank} {self.describe(rank)} was lost: {why}\n{self.where_logs()}")
+
+    def broken_device(self, msg, site: str) -> DeviceException:
+        """A worker's device is unusable (a sticky CUDA error): name the op, the user's line,
+        the rank and where it ran."""
+        return DeviceException(
+            f"worker rank {msg.rank} {self.describe(msg.rank)} hit an error that leaves its device unusable, "
+            f"and left: {msg.exc_type}: {msg.message.strip()}\n"
+            f"The op that met it ({msg.function}) was issued at {site}\n"
+            f"(CUDA reports a kernel's fault at a later call: with CUDA_LAUNCH_BLOCKING=1 set for the workers, "
+            f"the op named is the one that faulted.)\n"
+            f"Traceback on worker rank {msg.rank}:\n{msg.traceback.rstrip()}\n{self.where_logs()}")
 
 
 class Supervisor:
@@ -72,15 +123,15 @@ class Supervisor:
         if self.process_failure is not None:
             why = self.process_failure()
             if why:
-                return client.fail_from_supervisor(DeviceException(f"{why}\n{client.where_logs()}"))
+                return client.fail_from_supervisor(DeviceException(f"{why}\n{client.info.where_logs()}"))
         now = time.monotonic()
         timeout = self.supervision.heartbeat_timeout
         for rank, seen in self.last_seen.items():
             if now - seen > timeout:
                 return client.fail_from_supervisor(DeviceException(
-                    f"worker rank {rank} {client.describe(rank)} stopped heartbeating: nothing heard for "
+                    f"worker rank {rank} {client.info.describe(rank)} stopped heartbeating: nothing heard for "
                     f"{now - seen:.1f} s (heartbeat_timeout={timeout} s); it is hung or unreachable\n"
-                    f"{client.where_logs()}"))
+                    f"{client.info.where_logs()}"))
         self._check_progress(now)
 
     def _check_progress(self, now: float) -> None:
@@ -99,10 +150,10 @@ class Supervisor:
         self._warned.add(seq)
         stuck = [r for r, p in sorted(self.progress.items()) if p <= seq]
         first = min(self.progress[r] for r in stuck)
-        named = ", ".join(f"{r} {client.describe(r)}" for r in stuck)
+        named = ", ".join(f"{r} {client.info.describe(r)}" for r in stuck)
         message = (f"ranks {named} have operations that have not completed after "
                    f"{params.operation_timeout:g} seconds; the oldest was issued at {client.site_of(first)}")
         if params.fail_on_operation_timeout:
-            client.fail_from_supervisor(DeviceException(message + f"\n{client.where_logs()}"))
+            client.fail_from_supervisor(DeviceException(message + f"\n{client.info.where_logs()}"))
         else:
             log.warning(message)

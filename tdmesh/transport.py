@@ -1,4 +1,4 @@
-"""Framed connections between the controller and its workers.
+"""Framed connections between the client and its workers.
 
 A frame is ``MAGIC | u64 length | payload``, where the payload is a run of pickles, one per
 message.  Pickling each message once and concatenating the bytes lets the client send the
@@ -12,15 +12,15 @@ import io
 import pickle
 import socket
 import struct
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
+
+from .errors import ProtocolError
+
+__all__ = ["MAGIC", "DEFAULT_MAX_FRAME", "Connection", "ProtocolError", "connect", "decode", "encode"]
 
 MAGIC = b"TDM1"
 _HEADER = struct.Struct("!4sQ")
 DEFAULT_MAX_FRAME = 1 << 34  # 16 GiB: a fetch of a big tensor is one frame
-
-
-class ProtocolError(ConnectionError):
-    """The peer sent something that is not a tdmesh frame."""
 
 
 def encode(msg) -> bytes:

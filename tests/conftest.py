@@ -8,12 +8,18 @@ import tdmesh
 from tdmesh.config import cpu_forced, env_str
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
+    """Each test's tier is its folder (``-m unit``, ``-m fleet``, ``-m gpu`` select one);
+    GPU tests are skipped without CUDA."""
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
+        tier = os.path.basename(os.path.dirname(str(item.path)))
+        if tier in ("unit", "fleet", "gpu"):
+            item.add_marker(getattr(pytest.mark, tier))
+        elif tier == "tdmesh":  # the doctests of tdmesh/slice.py and tdmesh/shape.py
+            item.add_marker(pytest.mark.unit)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
 
 
@@ -42,7 +48,7 @@ def requested_mesh_shape() -> tuple[int, int]:
 
 @pytest.fixture(scope="session")
 def cmesh(request):
-    """The mesh of tests/test_collectives.py and tests/test_streams.py: dims host x gpu, of the
+    """The mesh of tests/fleet/test_collectives.py and tests/fleet/test_streams.py: dims host x gpu, of the
     shape ``TDMESH_TEST_MESH=HOSTSxGPUS`` names (default 2x2), on the device local_mesh picks
     (CUDA/NCCL, one GPU per worker, where CUDA is present unless ``TDMESH_DEVICE=cpu``; else
     CPU/gloo).  2x2 is the very ``local_mesh`` call of ``mesh2x2``: that fleet is shared

@@ -19,8 +19,8 @@ import itertools
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from tdmesh.shape import Shape
 from tdmesh.mesh import DeviceMesh
+from tdmesh.shape import Shape
 from tdmesh.slice import Slice
 
 __all__ = [
@@ -55,7 +55,7 @@ def slices(draw, *, min_ndim: int = 0, max_ndim: int = MAX_NDIM, max_size: int =
     order = draw(st.permutations(range(ndim)))
     inner_sizes = [sizes[d] for d in order]
     inner_strides: list[int] = []
-    for j, size in enumerate(inner_sizes):
+    for j, _size in enumerate(inner_sizes):
         if j == 0:
             stride = draw(st.integers(1, 3))
         else:
@@ -87,7 +87,7 @@ dim_names = st.one_of(
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _label_tuples(ndim: int) -> list[tuple[str, ...]]:
     return list(itertools.permutations(NAME_POOL, ndim))
 

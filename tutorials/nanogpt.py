@@ -42,11 +42,11 @@ class GPTConfig:
     n_embd: int = 32
 
     @staticmethod
-    def tiny(vocab_size: int) -> "GPTConfig":
+    def tiny(vocab_size: int) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size)
 
     @staticmethod
-    def small(vocab_size: int) -> "GPTConfig":
+    def small(vocab_size: int) -> GPTConfig:
         """nanoGPT's Shakespeare-char size: 6 layers, 6 heads, 384 wide, context 256."""
         return GPTConfig(vocab_size=vocab_size, block_size=256, n_layer=6, n_head=6, n_embd=384)
 

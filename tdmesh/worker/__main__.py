@@ -11,7 +11,6 @@ itself exits 1 whenever a rank fails, and its root-cause summary shows rank 0's 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import subprocess
 import sys
@@ -44,7 +43,7 @@ def _parse(argv):
 
 
 def _start_client(script: str, script_args: list[str]) -> subprocess.Popen:
-    """The client process: the user's script plus the controller, spawned before any CUDA work."""
+    """The client process (the user's script, which drives the fleet), spawned before any CUDA work."""
     return subprocess.Popen([sys.executable, "-m", "tdmesh._script", script, *script_args])
 
 
@@ -61,8 +60,9 @@ def main(argv=None) -> int:
     configure_logging()
     client = None
     if args.script and int(os.environ["RANK"]) == 0:
-        if not os.path.exists(args.script):
-            print(f"tdmesh.worker: script {args.script!r} not found", file=sys.stderr)
+        if not os.path.exists(args.script):  # rank 0 leaves at once, and torchrun ends the job
+            print(f"tdmesh.worker: script {args.script!r} not found (cwd {os.getcwd()})", file=sys.stderr)
+            return 2
         client = _start_client(args.script, args.script_args)
     try:
         code, clean = run_worker(attachable=not args.script and not args.serve)

@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 
-from .. import messages as m
 from ..rendezvous import ATTACH, attach_scope, new_token, proof
 
 log = logging.getLogger("tdmesh.worker")

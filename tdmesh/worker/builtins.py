@@ -30,6 +30,7 @@ def probe(target, args, kwargs):
     """
     import torch.distributed as dist
     from torch.utils._pytree import tree_flatten, treespec_dumps
+
     from .functions import resolve
     fn = resolve(target)
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
@@ -70,8 +71,9 @@ def profile_start(record_shapes: bool = False) -> None:
     _profiler.__enter__()
 
 
-def profile_stop(directory: str, rank: int) -> str:
-    """Stop the profiler and write this rank's Chrome/Perfetto trace; returns its path."""
+def profile_stop(directory: str, rank: int) -> torch.Tensor:
+    """Stop the profiler and write this rank's Chrome/Perfetto trace (``rank<r>.trace.json``
+    in ``directory``); returns a remote 1, which the client sums to know every rank is done."""
     global _profiler
     import os
     if _profiler is None:

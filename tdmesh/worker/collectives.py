@@ -6,6 +6,8 @@ peers never hang; the client's dataflow history marks the output failed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -18,8 +20,9 @@ _OPS = {
 }
 # torch 2.13 renamed all_gather_into_tensor; 2.11 only has the old name
 _gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_LOCAL = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor,
-          "sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum}
+_LOCAL: dict[str, Callable[..., torch.Tensor]] = {
+    "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor,
+    "sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum}
 
 
 _group_info: dict = {}
@@ -77,7 +80,7 @@ def _backend_all_reduce(y: torch.Tensor, reduction: str, group) -> None:
     group.allreduce([y], _OPTIONS[reduction]).wait()
 
 
-def _options(op) -> "dist.AllreduceOptions":
+def _options(op) -> dist.AllreduceOptions:
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
     return opts
@@ -222,5 +225,5 @@ def send_tensor(interp, msg: m.SendTensor, stream) -> None:
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    if rank in msg.to_ranks:
+    if to_env is not None:
         to_env[msg.result] = received

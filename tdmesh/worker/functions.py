@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import importlib
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ResolveError
 
 _cache: dict[Any, Callable] = {}
-
-
-class ResolveError(ValueError):
-    pass
 
 
 def resolve(function: Any) -> Callable:
@@ -58,7 +57,7 @@ def _import_path(path: str) -> Callable:
         except ImportError as e:
             error = error or e
             continue
-        obj = module
+        obj: Any = module
         try:
             for attr in parts[i:]:
                 obj = getattr(obj, attr)

@@ -2,7 +2,7 @@
 
 Values that could not be computed are stored as :class:`Poison`.  Only the op that raised
 reports ``RemoteFunctionFailed``; ops that read a poisoned ref poison their own results
-silently, because the controller's dataflow history already knows they depend on the root.
+silently, because the client's dataflow history already knows they depend on the root.
 """
 
 from __future__ import annotations
@@ -12,55 +12,23 @@ import pickle
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import messages as m
+from ..errors import ProtocolViolation, RecordingError
 from . import collectives
 from .functions import resolve
 from .groups import Groups
 from .mesh import WorkerMesh
-from .recordings import RecordingError, Recordings
+from .recordings import Recordings
 from .streams import Stream
+from .values import BorrowSlot, DependentOnError, DeviceBroken, Poison, device_is_broken, event_on, to_fetchable, unseal
 
 log = logging.getLogger("tdmesh.worker")
-
-
-class Poison:
-    """The slot of a value whose computation failed at ``seq``."""
-    __slots__ = ("seq", "message")
-
-    def __init__(self, seq: int, message: str) -> None:
-        self.seq = seq
-        self.message = message
-
-    def __repr__(self) -> str:
-        return f"Poison(seq={self.seq}, {self.message!r})"
-
-
-class DependentOnError(Exception):
-    def __init__(self, poison: Poison) -> None:
-        super().__init__(poison.message)
-        self.poison = poison
-
-
-class ProtocolViolation(RuntimeError):
-    """A message this worker cannot interpret: a bug or a foreign peer, never ignored."""
-
-
-class BorrowSlot:
-    """A value lent from one stream to another, with the events that order the two."""
-    __slots__ = ("msg", "created", "released", "value", "event", "last_event")
-
-    def __init__(self, msg: m.BorrowCreate) -> None:
-        self.msg = msg
-        self.created = threading.Event()
-        self.released = threading.Event()
-        self.value = None
-        self.event = None
-        self.last_event = None
 
 
 class Interpreter:
@@ -71,7 +39,7 @@ class Interpreter:
     tests).  ``send`` delivers a worker->client message and may be called from any stream.
     """
 
-    current: "Interpreter | None" = None  # this process's interpreter, for builtins that report on it
+    current: Interpreter | None = None  # this process's interpreter, for builtins that report on it
 
     def __init__(self, rank: int, device: torch.device, send: Callable[[Any], None], *,
                  world_size: int = 1, threaded: bool = False,
@@ -89,7 +57,7 @@ class Interpreter:
         self.recordings = Recordings()
         self.caused_error = False
         self.fatal: BaseException | None = None
-        self.exit_request: m.Exit | None = None
+        self.exit_request: m.Exit | m.Detach | None = None
         self._handlers = {cls: getattr(self, cls.__name__) for cls in m.CLIENT_TO_WORKER}
         self.stream(0)
 
@@ -187,10 +155,6 @@ class Interpreter:
         for s in streams:
             s.submit(self._status_marker, (msg, pending))
 
-    def CommandGroup(self, msg: m.CommandGroup) -> None:
-        for command in msg.commands:
-            self.handle(command)
-
     def Supervise(self, msg: m.Supervise) -> None:
         """Heartbeats come from a thread of their own: a busy stream is not a dead worker."""
         def beat() -> None:
@@ -218,7 +182,7 @@ class Interpreter:
         env = stream.env
         try:
             fn = resolve(msg.function)
-            raw_args, raw_kwargs = _unseal(msg.args, msg.kwargs)
+            raw_args, raw_kwargs = unseal(msg.args, msg.kwargs)
             args = self._resolve(raw_args, stream)
             kwargs = self._resolve(raw_kwargs, stream) if raw_kwargs else {}
             self._bind(env, msg.results, fn(*args, **kwargs))
@@ -226,14 +190,14 @@ class Interpreter:
             self._poison(env, msg.results, msg.mutates, e.poison)
         except ProtocolViolation:
             raise  # a broken message, not a failing user function: the worker stops
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever the user's function raises is its failure
             self._fail(env, msg.seq, msg.results, msg.mutates, e, msg.function)
 
     def _send_value(self, msg: m.SendValue, stream: Stream) -> None:
         env = stream.env
         try:
             fn = resolve(msg.function) if msg.function is not None else None
-            raw_args, raw_kwargs = _unseal(msg.args, msg.kwargs)
+            raw_args, raw_kwargs = unseal(msg.args, msg.kwargs)
             args = self._resolve(raw_args, stream)
             kwargs = self._resolve(raw_kwargs, stream) if raw_kwargs else {}
             if fn is None:
@@ -242,14 +206,14 @@ class Interpreter:
                 value = args[0]
             else:
                 value = fn(*args, **kwargs)
-            payload = pickle.dumps(tree_map(_to_fetchable, value), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps(tree_map(to_fetchable, value), protocol=pickle.HIGHEST_PROTOCOL)
         except DependentOnError as e:
             self._poison(env, (), msg.mutates, e.poison)
             self.send(m.FetchResult(msg.seq, None, m.DependentError(e.poison.seq)))
             return
         except ProtocolViolation:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever the user's function raises is its failure
             self._fail(env, msg.seq, (), msg.mutates, e, msg.function)
             self.send(m.FetchResult(msg.seq, None, m.DependentError(msg.seq)))
             return
@@ -301,7 +265,7 @@ class Interpreter:
             slot.value = stream.env[msg.tensor]
         except KeyError:
             slot.value = Poison(-1, f"borrowed ref {msg.tensor} does not exist on stream {stream.id}")
-        slot.event = _event_on(stream)
+        slot.event = event_on(stream)
         slot.created.set()
 
     def _borrow_first_use(self, msg: m.BorrowFirstUse, stream: Stream) -> None:
@@ -316,7 +280,7 @@ class Interpreter:
 
     def _borrow_last_use(self, msg: m.BorrowLastUse, stream: Stream) -> None:
         slot = self.borrows[msg.borrow]
-        slot.last_event = _event_on(stream)
+        slot.last_event = event_on(stream)
         stream.env.pop(slot.msg.result, None)
         slot.released.set()
 
@@ -404,47 +368,3 @@ class Interpreter:
             return
         log.debug("seq %s failed on worker %s running %s:\n%s", seq, self.rank, name, tb)
         self.send(m.RemoteFunctionFailed(seq, self.rank, type(error).__name__, str(error), tb))
-
-
-class DeviceBroken(RuntimeError):
-    """This worker's device can no longer run anything (a sticky CUDA error)."""
-
-
-def device_is_broken(device: torch.device, error: BaseException) -> bool:
-    """Whether ``error`` left ``device`` unusable.  A device-side assert or an illegal address
-    poisons the CUDA context for good; other CUDA errors (a bad launch configuration) do
-    not.  Only a new round trip through the device tells the two apart."""
-    if device.type != "cuda" or not (isinstance(error, getattr(torch, "AcceleratorError", RuntimeError)) or "CUDA error" in str(error)):
-        return False
-    try:
-        torch.cuda.synchronize(device)
-        torch.zeros(1, device=device).add_(1).item()
-    except Exception:  # noqa: BLE001 - whatever the broken context raises
-        return True
-    return False
-
-
-def _event_on(stream: Stream):
-    """A CUDA event recorded now on ``stream``'s CUDA stream; None on CPU (threads order it)."""
-    if stream.cuda is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream.cuda)
-    return event
-
-
-def _unseal(args, kwargs):
-    """Arguments as sent: a tuple (aten ops), or pickled bytes (user functions, see sealed_args)."""
-    if type(args) is bytes:
-        return pickle.loads(args)
-    return args, kwargs
-
-
-def _to_fetchable(leaf):
-    """Tensors travel to the client on CPU, carrying only their own elements."""
-    if isinstance(leaf, torch.Tensor):
-        leaf = leaf.detach()
-        if leaf.device.type != "cpu":
-            leaf = leaf.cpu()
-        return m.pack_tensor(leaf)
-    return leaf

@@ -1,4 +1,4 @@
-"""A worker's life: pick a device, join the process group, find the controller, serve."""
+"""A worker's life: pick a device, join the process group, find the client, serve."""
 
 from __future__ import annotations
 
@@ -10,15 +10,18 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import messages as m
 from ..config import cpu_forced, env_float, env_int, env_str
-from ..rendezvous import _scope, connect_store, read_controller, store_address
+from ..errors import ProtocolViolation
+from ..rendezvous import connect_store, job_scope, read_controller, store_address
 from ..transport import ProtocolError, connect
-from .interpreter import DeviceBroken, Interpreter, ProtocolViolation
+from .interpreter import Interpreter
+from .values import DeviceBroken
 
 log = logging.getLogger("tdmesh.worker")
 
@@ -51,9 +54,9 @@ def pick_device() -> torch.device:
 
 
 def run_worker(attachable: bool = False) -> tuple[int, bool]:
-    """Serve one controller until it says Exit; returns (exit code, clean).
+    """Serve one client until it says Exit; returns (exit code, clean).
 
-    Not clean means the controller vanished or this worker broke: a stream may be stuck in
+    Not clean means the client vanished or this worker broke: a stream may be stuck in
     a collective whose peers are dead, so the caller leaves with ``os._exit`` rather than
     waiting in teardown."""
     rank = int(os.environ["RANK"])
@@ -62,19 +65,19 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
     device = pick_device()
     backend = env_str("TDMESH_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
     store = connect_store()
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, store=dist.PrefixStore(_scope() + "/pg", store), rank=rank,
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.PrefixStore(job_scope() + "/pg", store), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=env_float("TDMESH_PG_TIMEOUT")),
                             **kwargs)
     if attachable:
         return _serve_attached(rank, world_size, device, store)
     found = read_controller(store)
     if found is None:
-        log.info("rank %d: the job ended before a controller started", rank)
+        log.info("rank %d: the job ended before a client started", rank)
         dist.destroy_process_group()
         return 0, True
     host, port, token = found
-    code, clean = _serve(rank, device, connect(host, port), token)
+    code, clean, _ = _session(rank, device, connect(host, port), token)
     if clean:
         dist.destroy_process_group()
     return code, clean
@@ -130,7 +133,7 @@ def _serve_attached(rank: int, world_size: int, device: torch.device, store) -> 
             session += 1
             continue
         host, port, token = found
-        code, clean, detached = _serve(rank, device, connect(host, port), token, report_detach=True)
+        code, clean, detached = _session(rank, device, connect(host, port), token)
         if not detached:
             if clean:
                 dist.destroy_process_group()
@@ -138,14 +141,9 @@ def _serve_attached(rank: int, world_size: int, device: torch.device, store) -> 
         session += 1
 
 
-def _serve(rank: int, device: torch.device, conn, token: str, report_detach: bool = False):
-    """Run the message loop; returns (exit code, whether the controller ended it cleanly),
-    and with ``report_detach`` also whether the client detached (attach mode)."""
-    code, clean, detached = _session(rank, device, conn, token)
-    return (code, clean, detached) if report_detach else (code, clean)
-
-
 def _session(rank: int, device: torch.device, conn, token: str) -> tuple[int, bool, bool]:
+    """Serve one client until it says Exit or Detach: returns (exit code, whether the client
+    ended the session cleanly, whether it detached (attach mode))."""
     conn.send_messages([m.Hello(rank, token, socket.gethostname(), os.getpid(), str(device), log_file())])
     send_lock = threading.Lock()
 
@@ -165,7 +163,7 @@ def _session(rank: int, device: torch.device, conn, token: str) -> tuple[int, bo
             if isinstance(interp.fatal, DeviceBroken):
                 break
             if msgs is None:
-                log.error("rank %d: the controller closed the connection without Exit; leaving", rank)
+                log.error("rank %d: the client closed the connection without Exit; leaving", rank)
                 return env_int("TDMESH_PEER_ERROR_EXIT_CODE"), False, False
             for msg in msgs:
                 interp.handle(msg)
@@ -181,6 +179,7 @@ def _session(rank: int, device: torch.device, conn, token: str) -> tuple[int, bo
         return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
     if type(interp.exit_request) is m.Detach:
         return 0, True, True
+    assert type(interp.exit_request) is m.Exit  # the loop ends only on Exit or Detach here
     if interp.exit_request.error is None:
         return 0, True, False
     if interp.caused_error:

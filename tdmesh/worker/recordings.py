@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import itertools
 import pickle
+from typing import Any
 
 from .. import messages as m
+from ..errors import RecordingError
 
-MAX_COMMANDS_PER_CHUNK = 1000
 _temporaries = itertools.count(-1, -1)  # worker-local refs: negative, never clash with the client's
-
-
-class RecordingError(RuntimeError):
-    pass
 
 
 class Recording:
@@ -52,12 +49,12 @@ class Recordings:
         if current is None:
             if msg.recording in self._recordings:
                 raise RecordingError(f"recording {msg.recording} is already defined")
-            if msg.index != 0:
-                raise RecordingError(f"recording {msg.recording} must start at chunk 0, got chunk {msg.index}")
+            if msg.chunk != 0:
+                raise RecordingError(f"recording {msg.recording} must start at chunk 0, got chunk {msg.chunk}")
             current = self._defining = Recording(msg)
-        if msg.index != current.next_index or msg.total != current.total:
+        if msg.chunk != current.next_index or msg.total != current.total:
             raise RecordingError(f"recording {msg.recording}: expected chunk {current.next_index} of "
-                                 f"{current.total}, got {msg.index} of {msg.total}")
+                                 f"{current.total}, got {msg.chunk} of {msg.total}")
         for command in msg.commands:
             if type(command) in (m.SendValue, m.RequestStatus, m.CreateGroups, m.DefineRecording, m.CallRecording):
                 raise RecordingError(f"{type(command).__name__} is not allowed inside a recording")
@@ -98,14 +95,11 @@ class Recordings:
 def _defined_refs(commands) -> list[int]:
     refs: list[int] = []
     for c in commands:
-        t = type(c)
-        if t is m.CallFunction:
-            refs.extend(r for r in c.results if r is not None)
-        elif t is m.Reduce or t is m.SendTensor:
-            if c.result is not None:
-                refs.append(c.result)
-        elif t is m.BorrowCreate:
-            refs.append(c.result)
+        for index, kind in _LAYOUT.get(type(c), ()):
+            if kind == "def" and c[index] is not None:
+                refs.append(c[index])
+            elif kind == "defs":
+                refs.extend(r for r in c[index] if r is not None)
     return list(dict.fromkeys(refs))
 
 
@@ -117,8 +111,10 @@ def _check_borrows(rec: Recording) -> None:
                              f"(borrows {sorted(created - dropped)} are not)")
 
 
-def _ref(names: dict, ref):
-    return names.get(ref, ref) if ref is not None else None
+# per message type: (field index, kind) of its ref fields, from messages.REF_FIELDS
+_LAYOUT: dict[Any, tuple[tuple[int, str], ...]] = {
+    t: tuple((t._fields.index(f), kind) for f, kind in fields.items())
+    for t, fields in m.REF_FIELDS.items()}
 
 
 def _rename_value(obj, names: dict):
@@ -134,34 +130,29 @@ def _rename_value(obj, names: dict):
 
 
 def _rename(c, names: dict, borrows: dict, seq: int):
-    # Replays rename every command of a recording: records are built directly, not with
-    # NamedTuple._replace (several times slower), on the worker's message thread.
-    t = type(c)
-    if t is m.CallFunction:
-        get = names.get
-        results = tuple([None if r is None else get(r, r) for r in c.results])
-        mutates = tuple([get(r, r) for r in c.mutates]) if c.mutates else ()
-        if type(c.args) is bytes:  # sealed user-function arguments: rename inside, seal again
-            args, kwargs = pickle.loads(c.args)
-            sealed = pickle.dumps((_rename_value(args, names), _rename_value(kwargs, names)),
-                                  protocol=pickle.HIGHEST_PROTOCOL)
-            return m.CallFunction(seq, results, mutates, c.function, sealed, c.kwargs, c.stream, c.process_groups)
-        return m.CallFunction(seq, results, mutates, c.function, _rename_value(c.args, names),
-                              _rename_value(c.kwargs, names) if c.kwargs else c.kwargs, c.stream, c.process_groups)
-    if t is m.Reduce:
-        return c._replace(seq=seq, result=_ref(names, c.result), tensor=names.get(c.tensor, c.tensor),
-                          out=_ref(names, c.out))
-    if t is m.ReduceMany:
-        return c._replace(seq=seq, tensors=tuple(names.get(r, r) for r in c.tensors))
-    if t is m.SendTensor:
-        return c._replace(seq=seq, result=names.get(c.result, c.result), tensor=names.get(c.tensor, c.tensor))
-    if t is m.DeleteRefs:
-        return c._replace(refs=tuple(names.get(r, r) for r in c.refs))
-    if t is m.BorrowCreate:
-        borrows[c.borrow] = fresh = next(_temporaries)
-        return c._replace(result=names.get(c.result, c.result), borrow=fresh, tensor=names.get(c.tensor, c.tensor))
-    if t in (m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop):
-        return c._replace(borrow=borrows.get(c.borrow, c.borrow))
-    if t is m.CommandGroup:
-        return c._replace(commands=tuple(_rename(x, names, borrows, seq) for x in c.commands))
-    return c
+    """``c`` with its refs renamed (by ``names``), its borrow ids too, and the call's seq."""
+    layout = _LAYOUT.get(type(c))
+    if layout is None:
+        return c
+    values = list(c)
+    get = names.get
+    for index, kind in layout:
+        v = values[index]
+        if kind == "def" or kind == "use":
+            values[index] = v if v is None else get(v, v)
+        elif kind == "defs" or kind == "uses":
+            values[index] = tuple([r if r is None else get(r, r) for r in v])
+        elif kind == "args":
+            if type(v) is bytes:  # sealed user-function arguments: rename inside, seal again
+                args, kwargs = pickle.loads(v)
+                values[index] = pickle.dumps((_rename_value(args, names), _rename_value(kwargs, names)),
+                                             protocol=pickle.HIGHEST_PROTOCOL)
+            elif v:
+                values[index] = _rename_value(v, names)
+        elif type(c) is m.BorrowCreate:  # "borrow": a fresh id for each call of the recording
+            borrows[v] = values[index] = next(_temporaries)
+        else:
+            values[index] = borrows.get(v, v)
+    if c._fields[0] == "seq":
+        values[0] = seq
+    return type(c)(*values)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -48,6 +48,7 @@ class Stream:
             # runs on it (cheaper than a stream context around each message).
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self.cuda)
+        assert self._queue is not None  # a threaded stream has its queue until close()
         get = self._queue.get
         while True:
             item = get()
@@ -66,7 +67,7 @@ class Stream:
 
     def close(self) -> None:
         """Finish the queued work and stop the thread."""
-        if self._queue is not None:
+        if self._queue is not None and self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._queue = None

@@ -1,4 +1,4 @@
-"""A client that dies inside a ``local_mesh`` block, for tests/test_supervision.py.
+"""A client that dies inside a ``local_mesh`` block, for tests/fleet/test_supervision.py.
 
     python tests/scripts/crash_client.py kill       # SIGKILLs itself: no cleanup runs at all
     python tests/scripts/crash_client.py interrupt  # raises KeyboardInterrupt inside the block

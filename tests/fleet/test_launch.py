@@ -4,9 +4,9 @@ import os
 import py_compile
 import socket
 import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO as ROOT
+
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "torchrun_job.py")
 
 

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from tdmesh import messages as m
-from tdmesh.controller import History
-from tdmesh.errors import RemoteException
+from tdmesh.errors import RemoteException, frames
 from tdmesh.future import Future
-from tdmesh.tensor import frames
+from tdmesh.history import History
 
 
 class NoPump:
@@ -32,7 +31,8 @@ def fut() -> Future:
 
 
 def failed(seq, rank=0, exc_type="ValueError", message="boom", tb=None) -> m.RemoteFunctionFailed:
-    tb = tb if tb is not None else f"Traceback (most recent call last):\n  File \"w.py\", line 1, in op{seq}\n{exc_type}: {message}"
+    if tb is None:
+        tb = f"Traceback (most recent call last):\n  File \"w.py\", line 1, in op{seq}\n{exc_type}: {message}"
     return m.RemoteFunctionFailed(seq, rank, exc_type, message, tb)
 
 

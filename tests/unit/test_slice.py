@@ -16,11 +16,9 @@ from hypothesis import strategies as st
 from tdmesh.slice import Slice, ravel, row_major_strides, unravel
 
 try:
-    from .strategies import (PROPS, UNREPRESENTABLE, dense_slices, grid, model_at, model_select,
-                             raw_triples, slices)
+    from .strategies import PROPS, UNREPRESENTABLE, dense_slices, grid, model_at, model_select, raw_triples, slices
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from strategies import (PROPS, UNREPRESENTABLE, dense_slices, grid, model_at, model_select,
-                            raw_triples, slices)
+    from strategies import PROPS, UNREPRESENTABLE, dense_slices, grid, model_at, model_select, raw_triples, slices
 
 
 def _max(s: Slice) -> int:

@@ -25,8 +25,8 @@ from tdmesh import messages as m
 from tdmesh.config import ControllerParams, SupervisionParams
 from tdmesh.transport import MAGIC, encode
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = os.path.join(HERE, "scripts")
+from paths import SCRIPTS
+
 HEARTBEAT_TIMEOUT = 3.0
 FAST = SupervisionParams(heartbeat_interval=0.5, heartbeat_timeout=HEARTBEAT_TIMEOUT)
 HOST = socket.gethostname()
@@ -381,7 +381,7 @@ def closed_by_peer(sock: socket.socket, timeout: float = 10.0) -> bool:
                 return True
     except ConnectionResetError:
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 
@@ -390,7 +390,7 @@ def test_strangers_are_refused_and_the_mesh_survives(caplog, tmp_path):
     marker = tmp_path / "trojan-ran"
     with fresh_mesh() as mesh:
         pids = worker_pids(mesh)
-        gate = mesh._fleet.gate
+        gate = mesh.fleet.gate
         before = gate.refused
         hello = m.Hello(0, "0" * 32, "intruder", os.getpid(), "cpu", None)
         attempts = {
@@ -408,9 +408,9 @@ def test_strangers_are_refused_and_the_mesh_survives(caplog, tmp_path):
                 s.sendall(data)
                 if half_close:
                     s.shutdown(socket.SHUT_WR)
-                assert closed_by_peer(s), f"{name}: the controller kept the connection open"
+                assert closed_by_peer(s), f"{name}: the client kept the connection open"
             assert gate.refused == before + n, name
-        assert not marker.exists(), "the controller unpickled a stranger's code"
+        assert not marker.exists(), "the client unpickled a stranger's code"
         with mesh.activate():
             assert inspect(torch.arange(3) * 2).tolist() == [0, 2, 4]
     assert_no_worker_left(pids)

@@ -21,7 +21,8 @@ SAMPLES = {
                              stream=2, process_groups=()),
     m.Reduce: m.Reduce(8, 20, 4, ((2, 3), "float32"), 3, "sum", True, False, None, stream=1),
     m.ReduceMany: m.ReduceMany(9, (4, 5), (((2, 3), "float32"), ((), "int64")), 3, "avg", stream=1),
-    m.SendTensor: m.SendTensor(9, 21, Slice(offset=0, sizes=(2,), strides=(1,)), Slice(offset=2, sizes=(2,), strides=(1,)), 4, ((3,), "int64"), 0, 1),
+    m.SendTensor: m.SendTensor(9, 21, Slice(offset=0, sizes=(2,), strides=(1,)),
+                               Slice(offset=2, sizes=(2,), strides=(1,)), 4, ((3,), "int64"), 0, 1),
     m.CreateGroups: m.CreateGroups("remote", 1, HG, ("gpu",), 30, 2),
     m.BorrowCreate: m.BorrowCreate(22, 1, 4, 0, 1),
     m.BorrowFirstUse: m.BorrowFirstUse(1),
@@ -29,7 +30,6 @@ SAMPLES = {
     m.BorrowDrop: m.BorrowDrop(3),
     m.DeleteRefs: m.DeleteRefs((1, 2, 3)),
     m.RequestStatus: m.RequestStatus(11),
-    m.CommandGroup: m.CommandGroup((m.RequestStatus(1), m.DeleteRefs((9,)))),
     m.DefineRecording: m.DefineRecording(5, (m.DeleteRefs((9,)),), (1, 2), (3,), 0, 2),
     m.CallRecording: m.CallRecording(15, 5, (10, 11), (12,)),
     m.Supervise: m.Supervise(0.5),
@@ -59,9 +59,8 @@ FIELDS = {
     m.BorrowDrop: ("borrow",),
     m.DeleteRefs: ("refs",),
     m.RequestStatus: ("seq",),
-    m.CommandGroup: ("commands",),
     m.Exit: ("error",),
-    m.DefineRecording: ("recording", "commands", "formals", "results", "index", "total"),
+    m.DefineRecording: ("recording", "commands", "formals", "results", "chunk", "total"),
     m.CallRecording: ("seq", "recording", "actuals", "results"),
     m.Supervise: ("heartbeat_interval",),
     m.Detach: (),
@@ -92,7 +91,7 @@ DEFAULTS = {
 def test_direction_tables_are_exactly_the_documented_records():
     assert m.CLIENT_TO_WORKER == (m.CallFunction, m.SendValue, m.Reduce, m.ReduceMany, m.SendTensor, m.CreateGroups,
                                   m.DefineRecording, m.CallRecording, m.BorrowCreate, m.BorrowFirstUse,
-                                  m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs, m.RequestStatus, m.CommandGroup,
+                                  m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs, m.RequestStatus,
                                   m.Supervise, m.Detach, m.Exit)
     assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.WorkerFailed,
                                   m.Status)
@@ -133,9 +132,8 @@ def test_nested_records_keep_their_types():
     back = pickle.loads(pickle.dumps(SAMPLES[m.CreateGroups]))
     assert back.mesh == HG and back.mesh.labels == ("host", "gpu")
     back = pickle.loads(pickle.dumps(SAMPLES[m.SendTensor]))
-    assert back.from_ranks == Slice(offset=0, sizes=(2,), strides=(1,)) and back.to_ranks == Slice(offset=2, sizes=(2,), strides=(1,))
-    back = pickle.loads(pickle.dumps(SAMPLES[m.CommandGroup]))
-    assert [type(c) for c in back.commands] == [m.RequestStatus, m.DeleteRefs]
+    assert back.from_ranks == Slice(offset=0, sizes=(2,), strides=(1,))
+    assert back.to_ranks == Slice(offset=2, sizes=(2,), strides=(1,))
     back = pickle.loads(pickle.dumps(SAMPLES[m.CallFunction]))
     assert type(back.args[0]) is m.Ref and back.args[0].id == 4
     assert type(back.args[2][0]) is m.Ref
@@ -200,3 +198,16 @@ def test_unpacked_tensor_does_not_alias_the_packed_bytes():
     a, b = m.unpack_tensor(packed), m.unpack_tensor(packed)
     a[0] = 99
     assert b[0].item() == 0 and t[0].item() == 0
+
+
+def test_ref_fields_name_real_fields_of_client_messages():
+    kinds = {"def", "defs", "use", "uses", "args", "borrow"}
+    assert set(m.REF_FIELDS) <= set(m.CLIENT_TO_WORKER)
+    for cls, fields in m.REF_FIELDS.items():
+        assert set(fields) <= set(cls._fields), cls
+        assert set(fields.values()) <= kinds, cls
+    # every message that names a tensor by ref is in the table (a new message must be added to it)
+    holds_refs = {cls for cls in m.CLIENT_TO_WORKER
+                  if any(f in cls._fields for f in ("results", "result", "tensor", "tensors", "refs", "actuals",
+                                                    "borrow", "mutates"))}
+    assert holds_refs == set(m.REF_FIELDS)

@@ -69,7 +69,7 @@ def test_several_messages_in_one_frame_keep_order_and_types(pair):
         m.SendValue(2, (), None, (shared_args, shared_args), {}),
         m.RequestStatus(2),
         m.DeleteRefs((1, 2, 3)),
-        m.CommandGroup((m.RequestStatus(3), m.Exit(None))),
+        m.RequestStatus(3),
         m.Status(0, 3),
         m.FetchResult(2, pickle.dumps([1.5, "x"]), None),
         m.FetchResult(3, None, m.DependentError(1)),
@@ -263,8 +263,7 @@ values = st.recursive(
         st.builds(m.CallFunction, st.integers(0, 99), st.lists(st.none() | st.integers(0, 99), max_size=3).map(tuple),
                   st.lists(st.integers(0, 99), max_size=3).map(tuple), names,
                   st.lists(inner, max_size=3).map(tuple), st.dictionaries(names, inner, max_size=3),
-                  st.integers(0, 3)),
-        st.builds(m.CommandGroup, st.lists(inner, max_size=3).map(tuple)),
+                  st.integers(0, 3), st.just(())),
     ),
     max_leaves=8,
 )

@@ -9,12 +9,15 @@ import pytest
 
 import tdmesh
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torchrun_job.py")
+from paths import SCRIPTS
+
+SCRIPT = os.path.join(SCRIPTS, "torchrun_job.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def run(args, timeout=120, **kw):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TDMESH_PEER_EXIT_DELAY="1")
+    # rank 0 (the script) must fail first, even on a loaded machine
+    env = dict(os.environ, OMP_NUM_THREADS="1", TDMESH_PEER_EXIT_DELAY="2.5")
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, **kw)
 
 

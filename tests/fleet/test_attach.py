@@ -8,10 +8,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-import tdmesh
-
 CLIENT = """
 import sys, torch, tdmesh
 endpoint, token, mode = sys.argv[1:4]

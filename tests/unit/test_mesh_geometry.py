@@ -13,11 +13,9 @@ from tdmesh import Shape, Slice, UnknownDimError
 from tdmesh.mesh import DeviceMesh
 
 try:
-    from .strategies import (PROPS, UNREPRESENTABLE, dense_meshes, grid, model_at, model_select,
-                             pyslices, shapes)
+    from .strategies import PROPS, UNREPRESENTABLE, dense_meshes, grid, model_at, model_select, pyslices, shapes
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from strategies import (PROPS, UNREPRESENTABLE, dense_meshes, grid, model_at, model_select,
-                            pyslices, shapes)
+    from strategies import PROPS, UNREPRESENTABLE, dense_meshes, grid, model_at, model_select, pyslices, shapes
 
 
 def mesh_of(offset, sizes, strides, names, client=None) -> DeviceMesh:
@@ -44,7 +42,7 @@ def test_m1_m2_slice_by_int_or_slice(shape, data):
     assert list(sub.processes) == [r for _, r in model_at(grid(shape.slice), d, i)]
     assert sub.processes.offset == mesh.processes.offset + i * stride
     assert sub.shape == shape.at(label, i)
-    assert sub.client is client and sub._parent is mesh and sub is not mesh
+    assert sub.client is client and sub.fleet is mesh.fleet and sub is not mesh
 
     ps = data.draw(pyslices(size))
     positions = range(*ps.indices(size))
@@ -80,7 +78,7 @@ def test_dense_meshes_flatten_and_show_their_ranks(mesh, name):
     ranks = list(range(mesh.processes.offset, mesh.processes.offset + len(mesh)))
     assert list(mesh.processes) == ranks
     flat = mesh.flatten(name)
-    assert flat.names == (name,) and list(flat.processes) == ranks and flat._parent is mesh
+    assert flat.names == (name,) and list(flat.processes) == ranks and flat.client is mesh.client
     shown = f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
     assert repr(mesh) == f"<DeviceMesh {mesh.shape} ranks {shown}>"
     assert str(mesh) == f"DeviceMesh {mesh.shape}\n{mesh.to_table()}"
@@ -129,7 +127,7 @@ def test_m3_rename_keeps_processes():
     mesh = mesh_of(0, [60, 24], [24, 1], ("host", "gpu"))
     renamed = mesh.rename(host="dp", gpu="tp")
     assert renamed.names == ("dp", "tp") and renamed.processes == mesh.processes
-    assert renamed._parent is mesh
+    assert renamed.client is mesh.client and renamed.fleet is mesh.fleet
 
 
 def test_m4_split_examples():

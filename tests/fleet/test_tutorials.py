@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO as ROOT
+
 TUTORIALS = sorted(glob.glob(os.path.join(ROOT, "tutorials", "[0-9][0-9]_*.py")))
 
 
@@ -21,7 +22,8 @@ def test_tutorial_runs(path):
 
 def test_quickstart_output():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tutorials", "01_quickstart.py")],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, TDMESH_DEVICE="cpu"))
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=dict(os.environ, TDMESH_DEVICE="cpu"))
     assert "[ 6.,  8., 10.]" in out.stdout
     assert "caught locally: a and b must have same reduction dim" in out.stdout
     assert "remote error, reported at the fetch: IndexError" in out.stdout

@@ -16,11 +16,31 @@ from tdmesh import Shape, Slice, UnknownDimError
 from tdmesh.slice import ravel, row_major_strides
 
 try:
-    from .strategies import (NAME_POOL, PROPS, UNREPRESENTABLE, dim_names, factorizations, grid,
-                             model_at, model_select, pyslices, shapes)
+    from .strategies import (
+        NAME_POOL,
+        PROPS,
+        UNREPRESENTABLE,
+        dim_names,
+        factorizations,
+        grid,
+        model_at,
+        model_select,
+        pyslices,
+        shapes,
+    )
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from strategies import (NAME_POOL, PROPS, UNREPRESENTABLE, dim_names, factorizations, grid,
-                            model_at, model_select, pyslices, shapes)
+    from strategies import (
+        NAME_POOL,
+        PROPS,
+        UNREPRESENTABLE,
+        dim_names,
+        factorizations,
+        grid,
+        model_at,
+        model_select,
+        pyslices,
+        shapes,
+    )
 
 
 def hg(host=2, gpu=8) -> Shape:
@@ -452,7 +472,8 @@ def test_at_and_select_value_errors():
 @pytest.mark.parametrize("kw, match", [
     (dict(host=("dp", "pp")), r"Cannot infer size of dims \['dp', 'pp'\] when splitting 'host' \(size 60\)"),
     (dict(host=("dp", "pp", "cp"), pp=2), r"Cannot infer size of dims \['dp', 'cp'\]"),
-    (dict(host=("dp", "pp"), pp=7), r"dim 'host' of size 60 cannot be evenly divided into sizes 7 and an inferred 'dp'"),
+    (dict(host=("dp", "pp"), pp=7),
+     r"dim 'host' of size 60 cannot be evenly divided into sizes 7 and an inferred 'dp'"),
     (dict(host=("dp", "pp"), pp=4, cp=2), r"unused size constraints \['cp'\]: no split produces those dims"),
     (dict(pp=4), r"unused size constraints \['pp'\]"),
     (dict(host=("gpu", "pp"), pp=4), r"Duplicate dimension name 'gpu' after split"),

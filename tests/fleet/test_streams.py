@@ -8,7 +8,7 @@ CUDA); the collectives test runs on the ``cmesh`` fixture (tests/conftest.py), w
 ``TDMESH_TEST_MESH=HOSTSxGPUS`` picks (default 2x2, the CPU/gloo mesh shared with the engine
 tests).  On a 2-GPU host
 
-    TDMESH_TEST_MESH=1x2 python -m pytest -q tests/test_collectives.py tests/test_streams.py
+    TDMESH_TEST_MESH=1x2 python -m pytest -q tests/fleet/test_collectives.py tests/fleet/test_streams.py
 
 runs the suite on CUDA tensors over NCCL (``TDMESH_DEVICE=cpu`` keeps it on CPU).  Remote
 functions here create no tensors of their own, so they run on either device.

@@ -5,8 +5,8 @@ engine tests (CPU workers over gloo on a machine without CUDA).  ``TDMESH_TEST_M
 asks for another shape, and local_mesh puts the workers on CUDA (one GPU each, NCCL) wherever
 CUDA is present, so on a 2-GPU host
 
-    TDMESH_TEST_MESH=1x2 python -m pytest -q tests/test_collectives.py tests/test_streams.py
-    TDMESH_TEST_MESH=2x1 python -m pytest -q tests/test_collectives.py tests/test_streams.py
+    TDMESH_TEST_MESH=1x2 python -m pytest -q tests/fleet/test_collectives.py tests/fleet/test_streams.py
+    TDMESH_TEST_MESH=2x1 python -m pytest -q tests/fleet/test_collectives.py tests/fleet/test_streams.py
 
 run this suite on CUDA tensors (``TDMESH_DEVICE=cpu`` keeps any shape on CPU/gloo).
 
@@ -27,11 +27,21 @@ import tdmesh
 from tdmesh import fetch_shard, inspect, remote
 
 try:
-    from ._meshcase import at, coords, fetch_every, group_dim, members, other, rank_of, rows, shape_text, shard, \
-        wide_dim
+    from ._meshcase import (
+        at,
+        coords,
+        fetch_every,
+        group_dim,
+        members,
+        other,
+        rank_of,
+        rows,
+        shape_text,
+        shard,
+        wide_dim,
+    )
 except ImportError:  # tests/ is not a package: pytest puts it on sys.path
-    from _meshcase import at, coords, fetch_every, group_dim, members, other, rank_of, rows, shape_text, shard, \
-        wide_dim
+    from _meshcase import at, coords, fetch_every, group_dim, members, other, rank_of, rows, shape_text, shard, wide_dim
 
 
 # ----------------------------------------------------------------------------- remote functions
@@ -362,9 +372,9 @@ def test_reduce_many_in_place_equals_one_by_one(cmesh):
         by_one = [t.clone() for t in leaves]
         avg_leaves = [leaves[0].clone(), leaves[4].clone()]
         client = cmesh.client
-        before = client._next_seq
+        before = client.last_seq
         same = tdmesh.reduce_(leaves, d, "sum")
-        assert client._next_seq == before + 1, "a list of tensors should travel as one op"
+        assert client.last_seq == before + 1, "a list of tensors should travel as one op"
         for t in by_one:
             t.reduce_(d, "sum")
         tdmesh.reduce_(avg_leaves, (), "avg")
@@ -391,9 +401,9 @@ def test_reduce_many_falls_back_for_shared_memory_and_checks_each_tensor(cmesh):
         x = torch.ones(4)
         head = x[:2]
         client = cmesh.client
-        before = client._next_seq
+        before = client.last_seq
         tdmesh.reduce_([x, head], d)                   # one storage, twice: reduced one by one
-        assert client._next_seq == before + 2
+        assert client.last_seq == before + 2
         with pytest.raises(ValueError, match="unknown reduction"):
             tdmesh.reduce_([torch.ones(2), torch.ones(3)], d, "median")
         w = torch.ones(2).requires_grad_()

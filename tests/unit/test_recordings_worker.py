@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from tdmesh import messages as m
-from tdmesh.worker.interpreter import Interpreter, Poison, ProtocolViolation
+from tdmesh.errors import ProtocolViolation
+from tdmesh.worker.interpreter import Interpreter
+from tdmesh.worker.values import Poison
 
 Ref = m.Ref
 CLONE = "torch.ops.aten.clone.default"

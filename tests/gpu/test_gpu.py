@@ -1,6 +1,6 @@
 """GPU workers: NCCL process groups, tensors on cuda:LOCAL_RANK, fetches come back on CPU.
 
-Skipped without CUDA; run on a GPU host with `python -m pytest -q -m gpu tests/test_gpu.py`.
+Skipped without CUDA; run on a GPU host with `python -m pytest -q -m gpu tests/gpu/test_gpu.py`.
 """
 
 import os
@@ -14,8 +14,10 @@ import torch
 
 import tdmesh
 
+from paths import REPO, SCRIPTS
+
 pytestmark = pytest.mark.gpu
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torchrun_job.py")
+SCRIPT = os.path.join(SCRIPTS, "torchrun_job.py")
 
 
 def device_of(x):
@@ -30,7 +32,6 @@ def gpu_mesh():
 
 
 def test_workers_use_nccl_and_their_own_gpu(gpu_mesh):
-    import torch.distributed as dist
     backend = tdmesh.remote("torch.distributed.get_backend")
     where = tdmesh.remote(device_of)
     with gpu_mesh.activate():
@@ -184,7 +185,7 @@ def test_sticky_cuda_error_ends_the_worker_with_a_device_exception(monkeypatch, 
         result = None
         deadline = time.monotonic() + 10
         while result is None and time.monotonic() < deadline:
-            result = mesh._fleet.processes.wait(timeout=0)
+            result = mesh.fleet.processes.wait(timeout=0)
             time.sleep(0.05)
     text = str(err.value)
     assert "device-side assert" in text, text
@@ -214,9 +215,8 @@ with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh, mesh.activate():
 def test_no_mesh_inside_a_gpu_mesh_stays_on_the_clients_device(tmp_path):
     script = tmp_path / "no_mesh.py"
     script.write_text(NO_MESH_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
-                         env=dict(os.environ, PYTHONPATH=root))
+                         env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "devices cuda cpu" in out.stdout
     assert "value [1.0, 1.0] [3.0, 3.0]" in out.stdout

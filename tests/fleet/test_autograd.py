@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import tdmesh
 from tdmesh import fetch_shard
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import REPO as ROOT
 
 
 def mlp() -> torch.nn.Module:
@@ -107,8 +107,8 @@ def test_optimizer_steps_equal_local_steps(mesh2x2, name):
             lloss.backward()
             lopt.step()
             local_losses.append(lloss.detach())
-    for r, l in zip(remote_losses, local_losses):
-        assert torch.allclose(r, l, atol=1e-6)
+    for r, expected in zip(remote_losses, local_losses):
+        assert torch.allclose(r, expected, atol=1e-6)
     for a, p, i in zip(after, local.parameters(), initial):
         assert not torch.equal(a, i)  # the steps did move the parameters
         assert torch.allclose(a, p.detach(), atol=1e-6)
@@ -162,8 +162,8 @@ def test_compiled_data_parallel_step_equals_local_steps(mesh2x2):
             for p, g in zip(local.parameters(), grads):
                 p.grad = g / n
             lopt.step()
-    for r, l in zip(remote_losses, local_losses):
-        assert torch.allclose(r, l, atol=1e-5)
+    for r, expected in zip(remote_losses, local_losses):
+        assert torch.allclose(r, expected, atol=1e-5)
     for a, p, i in zip(after, local.parameters(), initial):
         assert not torch.equal(a, i)
         assert torch.allclose(a, p.detach(), atol=1e-5)

@@ -1,4 +1,4 @@
-"""The controller's bookkeeping: the seq dataflow history, failure propagation, completion.
+"""The client's dataflow history: every op by seq, failure propagation, completion.
 
 Every remote op is a node ``(seq, uses, defs)``.  A root failure reported by a worker marks
 its node and, transitively, every later node that reads what it defined.  A seq is
@@ -8,13 +8,13 @@ then is its future resolved, so a resolved future has seen every earlier error.
 
 from __future__ import annotations
 
-import pickle
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from . import messages as m
-from .errors import RemoteException
-from .future import Future
+from .errors import ProtocolViolation, RemoteException
+from .future import Future, ValueMesh, load_value
 
 
 class Node:
@@ -26,7 +26,7 @@ class Node:
         self.defs = defs
         self.site = site
         self.future = future
-        self.value = None
+        self.value: Any = None  # a FetchResult, or {rank: FetchResult} for a gather
         self.failure: RemoteException | None = None
 
 
@@ -123,19 +123,20 @@ class History:
             self.unobserved.pop(node.failure.seq, None)
             fut._set_exception(node.failure)
         elif node.value is None:
-            fut._set_exception(RuntimeError(f"internal error: seq {node.seq} completed without a value"))
+            fut._set_exception(ProtocolViolation(f"internal error: seq {node.seq} completed without a value"))
         elif isinstance(node.value, dict):
             shape = fut.gather
             missing = [r for r in shape.ranks() if r not in node.value or node.value[r].error is not None]
             if missing:
-                fut._set_exception(RuntimeError(f"internal error: seq {node.seq} has no value from ranks {missing}"))
+                fut._set_exception(ProtocolViolation(f"internal error: seq {node.seq} has no value from ranks "
+                                                     f"{missing}"))
             else:
-                fut._set_result(ValueMesh(shape, {r: _load_value(v.value) for r, v in node.value.items()}))
+                fut._set_result(ValueMesh(shape, {r: load_value(v.value) for r, v in node.value.items()}))
         elif node.value.error is not None:
-            fut._set_exception(RuntimeError(f"seq {node.seq} depends on failed seq {node.value.error.seq}, "
+            fut._set_exception(ProtocolViolation(f"seq {node.seq} depends on failed seq {node.value.error.seq}, "
                                             f"whose error was not reported"))
         else:
-            fut._set_result(_load_value(node.value.value))
+            fut._set_result(load_value(node.value.value))
 
     def _earlier_silent_failure(self, seq: int) -> RemoteException | None:
         """The oldest failure of an output-less op issued before ``seq``, now observed: it
@@ -147,57 +148,13 @@ class History:
         self.unobserved.pop(first, None)
         return exc
 
+    def site_of(self, seq: int):
+        """The call site recorded for ``seq`` while it is not complete, else None."""
+        node = self._by_seq.get(seq)
+        return node.site if node is not None else None
+
     def pending_futures(self) -> list[Future]:
         return [n.future for n in self._order if n.future is not None]
 
     def __len__(self) -> int:
         return len(self._order)
-
-
-def _load_value(payload: bytes):
-    """Unpickle a fetched value as local tensors, whatever mesh is active on the client."""
-    from torch.utils._python_dispatch import _disable_current_modes
-    from torch.utils._pytree import tree_map
-    with _disable_current_modes():
-        value = pickle.loads(payload)
-        return tree_map(lambda x: m.unpack_tensor(x) if type(x) is m.PackedTensor else x, value,
-                        is_leaf=lambda x: type(x) is m.PackedTensor)
-
-
-class ValueMesh:
-    """One value per rank of a mesh, from ``Remote.call``: iterate ``(point, value)`` pairs,
-    where ``point`` maps dim names to coordinates, or index with ``vm[dict(host=0, gpu=1)]``."""
-
-    def __init__(self, shape, values: dict) -> None:
-        self.shape = shape
-        self._values = values
-
-    def __iter__(self):
-        for rank in self.shape.ranks():
-            yield self.shape.coordinates(rank), self._values[rank]
-
-    def __getitem__(self, point: dict):
-        return self._values[self.shape.index(**point).slice.offset]
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def to_numpy(self):
-        """The values as a numpy array shaped like the mesh, followed by the values' own shape
-        when every value is a number (or a numeric array/tensor) of one shape; otherwise an
-        object array shaped like the mesh."""
-        import numpy as np
-        sizes = list(self.shape.sizes.values())
-        values = [self._values[r] for r in self.shape.ranks()]
-        try:
-            arrays = [np.asarray(v.detach().numpy() if hasattr(v, "detach") else v) for v in values]
-        except (TypeError, ValueError, RuntimeError):
-            arrays = None
-        if arrays and all(a.dtype.kind in "biufc" and a.shape == arrays[0].shape for a in arrays):
-            return np.stack(arrays).reshape(sizes + list(arrays[0].shape))
-        out = np.empty(len(values), dtype=object)
-        out[:] = values
-        return out.reshape(sizes)
-
-    def __repr__(self) -> str:
-        return f"ValueMesh({self.shape}, {[v for _, v in self]!r})"

@@ -1,0 +1,221 @@
+"""aten calls to remote ops: the front of the client's data path.
+
+``Tensor.__torch_dispatch__`` and the mode that is active while a mesh is (``MESH_MODE``,
+pushed by :mod:`tdmesh.activation`) send every aten call here.  An op on remote tensors,
+or a factory under an active mesh, gets its output metadata from :mod:`tdmesh.propagation`
+(errors the metadata reveals are raised at the user's line) and is issued as one
+``CallFunction`` through :func:`tdmesh.issue.issue`.  Ops that need a Python value now
+(``.item()``, ``bool()``) fetch; ops on local tensors only stay local.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_map, tree_unflatten
+
+from . import messages as m
+from ._coalescing import check_not_coalescing
+from ._context import active_mesh_or_none
+from .errors import UsageError, user_line
+from .fetch import fetch_shard
+from .issue import New, issue
+from .placement import check_inputs, check_mutation
+from .propagation import TensorMeta, op_aliasing, propagate, schema_arg
+from .stream import get_active_stream
+from .tensor import Tensor, describe, raise_in_op
+from .wire import op_path, to_wire
+
+__all__ = ["dispatch", "MESH_MODE"]
+
+# Ops whose answer is a Python value on the client: they need a fetch, not a dispatch.
+_NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item"}
+_LIFT = ("aten::lift_fresh", "aten::lift")
+
+_no_tensor_out: dict = {}
+
+
+def _makes_no_tensor(func) -> bool:
+    answer = _no_tensor_out.get(func)
+    if answer is None:
+        answer = not any("Tensor" in str(r.type) for r in func._schema.returns) and not any(
+            "Tensor" in str(a.type) for a in func._schema.arguments)
+        _no_tensor_out[func] = answer
+    return answer
+
+
+def _scan(obj, remote: list, local: list):
+    """One pass over an op's arguments: collect tensors, and build the propagation cache key."""
+    t = type(obj)
+    if t is Tensor:
+        remote.append(obj)
+        return obj._meta
+    if t is tuple or t is list:
+        return (t, tuple([_scan(x, remote, local) for x in obj]))
+    if t is dict:
+        return (dict, tuple([(k, _scan(v, remote, local)) for k, v in obj.items()]))
+    if isinstance(obj, torch.Tensor):
+        local.append(obj)
+        return ("local", id(obj))
+    if t is float or t is bool or t is complex:  # 12 == 12.0 == True, but they make other dtypes
+        return (t, obj)
+    return obj
+
+
+def dispatch(func, args: tuple, kwargs: dict):
+    """Turn one aten call into a remote op and return its result proxies."""
+    name = func._schema.name
+    remote: list = []
+    local: list = []
+    key = (_scan(args, remote, local), _scan(kwargs, remote, local) if kwargs else None)
+    if remote:
+        mesh = remote[0]._mesh
+        if name in _NEEDS_VALUE:
+            return _value_on_client(func, args, kwargs, remote)
+    elif local and name not in _LIFT:
+        # only local tensors (a fetched value, say): the op is the client's own business.
+        # Mixing local and remote tensors is the error (below); torch.tensor(data) ships data.
+        return func(*args, **kwargs)
+    else:
+        mesh = active_mesh_or_none()
+        if mesh is None or _makes_no_tensor(func):
+            # no_mesh, or an op with no remote input and no tensor output (profiler ranges and
+            # the like): it is the client's own business
+            return func(*args, **kwargs)
+    client = mesh.client
+    if client is None:
+        raise UsageError(f"{mesh!r} is a pure geometry value with no fleet; get a live mesh from "
+                         f"tdmesh.local_mesh() or tdmesh.world_mesh()\n  at {user_line()}")
+    if local:
+        if name in _LIFT and not remote:
+            return _ship_local(local[0], mesh)
+        raise_in_op("LOCAL_TENSOR", f"{func} mixes a local tensor with the mesh {mesh.shape}:\n"
+                                    f"  {describe(local[0])}\nmove it to the mesh with torch.tensor(...) under "
+                                    f"`with mesh.activate():`, or run local code under tdmesh.no_mesh.activate()")
+    check_inputs(remote, mesh, func)
+    return _dispatch_remote(func, args, kwargs, key, remote, mesh, client)
+
+
+def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
+    if remote:
+        device = remote[0].device
+    else:
+        device = kwargs.get("device")
+        if device is None:
+            device = client.device
+        else:
+            device = torch.device(device)
+            if device.type == client.device.type:  # "cuda" means the worker's own GPU: one index
+                device = client.device
+    try:
+        out = propagate(func, args, kwargs, remote, key)
+    except Exception as e:  # noqa: BLE001 - re-raised, with the user's line
+        # Errors that metadata reveals are the user's, raised at their line as local torch would.
+        if not _retypable(e):
+            raise
+        raise type(e)(f"{e}\n  (tdmesh: raised while checking {func} on the client, before anything was sent)"
+                      f"\n  at {user_line()}") from None
+    aliasing = op_aliasing(func)
+    mutated: list = []
+    for position in aliasing.mutated_args:
+        target = schema_arg(func, args, kwargs, position)
+        for t in (target if isinstance(target, (list, tuple)) else (target,)):
+            if type(t) is Tensor:
+                check_mutation(t, func)
+                mutated.append(t)
+    outputs: list = []
+    for leaf, (source, is_write) in zip(out.leaves, _leaf_sources(aliasing, out, func, args, kwargs)):
+        if type(leaf) is tuple and leaf and leaf[0] == "value":
+            if leaf[1] is None:  # an optional output the op did not produce (e.g. a grad)
+                outputs.append(None)
+                continue
+            raise TypeError(f"{func} returns a Python value ({leaf[1]!r}) that needs a fetch\n  at {user_line()}")
+        if is_write and type(source) is Tensor:
+            if source._meta != leaf:
+                raise NotImplementedError(f"{func} changes the shape or strides of a remote tensor in place; "
+                                          f"use its out-of-place form\n  at {user_line()}")
+            outputs.append(source)  # in-place / out=: the result is the argument itself
+            continue
+        outputs.append(New(leaf, source._r.aliases if type(source) is Tensor else None))
+    stream = get_active_stream()
+    path = op_path(func)
+
+    def build(seq, results, mutated_refs):
+        return m.CallFunction(seq, results, mutated_refs, path, to_wire(args), to_wire(kwargs) if kwargs else {},
+                              stream.id)
+
+    proxies = issue(mesh, build, inputs=remote, outputs=outputs, mutated=mutated, device=device, stream=stream)
+    if out.single:
+        return proxies[0]
+    return tree_unflatten(proxies, out.spec)
+
+
+def _leaf_sources(aliasing, out, func, args, kwargs):
+    """For each output leaf: (the argument it aliases or None, whether it is written)."""
+    returns = aliasing.return_aliases
+    n = len(out.leaves)
+    if len(returns) == 1 and (returns[0][2] or n == 1):
+        source, is_write, _ = returns[0]
+        value = schema_arg(func, args, kwargs, source) if source is not None else None
+        return [(value, is_write)] * n
+    if len(returns) == n:
+        return [((schema_arg(func, args, kwargs, s) if s is not None else None), w) for s, w, _ in returns]
+    return [(None, False)] * n
+
+
+def _retypable(e: Exception) -> bool:
+    try:
+        type(e)("probe")
+        return True
+    except Exception:  # noqa: BLE001 - any constructor that refuses a message
+        return False
+
+
+def _value_on_client(func, args, kwargs, remote):
+    """``t.item()``, ``bool(t)``, ``torch.equal``: a Python value the client needs now.
+
+    These block: the tensors are fetched from the first rank of their mesh (replicated
+    values such as an optimizer's step count read the same everywhere), then the op runs
+    locally.  Prefer ``fetch_shard`` where the wait can be deferred.
+    """
+    check_not_coalescing(f"{func} (it needs a value from the workers)")
+    values = fetch_shard(tuple(remote)).result()
+    local = dict(zip(map(id, remote), values))
+
+    def swap(x):
+        return local.get(id(x), x) if type(x) is Tensor else x
+
+    with _disable_current_modes():
+        return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+
+
+def _ship_local(data: torch.Tensor, mesh):
+    """``torch.tensor(data)`` under a mesh: the data travels with the op."""
+    device = mesh.client.device
+    meta = TensorMeta(tuple(data.shape), tuple(data.stride()), 0, data.dtype)
+    data = data.detach().clone()
+    stream = get_active_stream()
+
+    def build(seq, results, _mutated):
+        return m.CallFunction(seq, results, (), "torch.ops.aten._to_copy.default", (data,), {"device": device},
+                              stream.id)
+
+    return issue(mesh, build, outputs=[New(meta)], device=device, stream=stream)[0]
+
+
+class _MeshMode(TorchDispatchMode):
+    """Active while any mesh is: factory calls and ops on remote tensors go to the mesh."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
+
+
+def _mode_dispatch(self, func, types, args=(), kwargs=None):
+    return dispatch(func, args, kwargs or {})
+
+
+# torch wraps a mode's __torch_dispatch__ in a dynamo-disable shim (several microseconds per
+# op); tdmesh is never traced by dynamo, so the hot path calls the plain function.
+_MeshMode.__torch_dispatch__ = _mode_dispatch  # type: ignore[method-assign]
+MESH_MODE = _MeshMode()
+Tensor.dispatch = staticmethod(dispatch)

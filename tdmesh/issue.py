@@ -1,0 +1,94 @@
+"""The one path by which an op leaves the client.
+
+Every producer of work (aten dispatch, remote functions, collectives, moves between
+meshes, borrows, fetches, compiled-function replays) calls :func:`issue`.  It allocates
+the result refs and the op's seq, makes the result proxies, builds the message, and hands
+``(ranks, message, seq, uses, defs)`` to the client's *sink*: the client itself, which
+records the op in the dataflow history and sends it, or a compiled function's recorder,
+which keeps it.  ``uses`` are the refs the op reads; ``defs`` the refs it defines or
+writes, every alias of a mutated tensor included, which is the history's invariant: a
+failure poisons exactly the values computed from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from .propagation import TensorMeta
+from .stream import Stream, get_active_stream
+from .tensor import AliasSet, Tensor
+
+__all__ = ["New", "issue", "issue_message"]
+
+
+class New(NamedTuple):
+    """An output the op creates: ``aliases`` names the storage it shares (a view), None a
+    fresh one; ``stream``, ``device`` and ``mesh`` default to the op's own."""
+    meta: TensorMeta
+    aliases: AliasSet | None = None
+    stream: Stream | None = None
+    device: object = None
+    mesh: object = None
+
+
+def issue(mesh, build: Callable, *, inputs: Sequence[Tensor] = (), outputs: Sequence = (),
+          mutated: Sequence[Tensor] = (), device=None, stream: Stream | None = None, ranks=None, future=None,
+          uses: Sequence[int] = (), defs: Sequence[int] = (), deletes_first: bool = False) -> list:
+    """Issue one op on ``mesh`` (to ``ranks`` if given); returns its output proxies.
+
+    ``outputs`` holds, per output: a :class:`New`, an input ``Tensor`` (the op returns that
+    argument, e.g. in place), or ``None`` (no value).  ``build(seq, results, mutated_refs)``
+    makes the message, where ``results`` has one ref per output (None where no new tensor is
+    made).  It may return ``[(ranks, message), ...]``: the first is the op, the others carry
+    no seq (parts of one op sent to other ranks).  ``uses`` and ``defs`` add refs that are
+    not inputs or outputs (a recording's captures).
+    """
+    client = mesh.client
+    stream = stream if stream is not None else get_active_stream()
+    with client.lock:
+        results: list = []
+        proxies: list = []
+        made: list = []
+        for out in outputs:
+            if type(out) is New:
+                ref = client.new_ref()
+                proxy = Tensor(out.meta, out.device if out.device is not None else device,
+                               out.mesh if out.mesh is not None else mesh, ref,
+                               out.aliases if out.aliases is not None else AliasSet(),
+                               out.stream if out.stream is not None else stream)
+                made.append(proxy)
+                proxies.append(proxy)
+                results.append(ref)
+            else:
+                proxies.append(out)
+                results.append(None)
+        mutated_refs = [r for t in mutated for r in t._r.aliases.refs] if mutated else []
+        seq = client.new_seq()
+        msg = build(seq, tuple(results), tuple(mutated_refs))
+        all_uses = [t._r.id for t in inputs]
+        if uses:
+            all_uses.extend(uses)
+        all_defs = [r for r in results if r is not None] + mutated_refs
+        if defs:
+            all_defs.extend(defs)
+        sink = client.sink
+        if made:
+            sink.made(made)
+        if type(msg) is list:
+            (first_ranks, first), rest = msg[0], msg[1:]
+            sink.submit(first_ranks, first, seq, all_uses, all_defs, future, inputs, deletes_first)
+            for part_ranks, part in rest:
+                sink.submit(part_ranks, part)
+        else:
+            sink.submit(mesh.rank_list if ranks is None else ranks, msg, seq, all_uses, all_defs, future, inputs,
+                        deletes_first)
+    return proxies
+
+
+def issue_message(mesh, msg, ranks=None) -> None:
+    """A message that is part of work already issued (a borrow's hand-back, freeing views):
+    no seq, no results; recorded like any op while a compiled function is traced."""
+    client = mesh.client
+    with client.lock:
+        client.sink.submit(mesh.rank_list if ranks is None else ranks, msg)

@@ -1,0 +1,58 @@
+"""How op arguments travel: remote tensors become ``Ref``s, functions become import paths.
+
+Plain containers are rebuilt only where they hold something to convert; an object with a
+``_tdmesh_wire()`` method (a mesh, a process group, an RNG state) says how it travels.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from . import messages as m
+from .errors import user_line
+from .tensor import Tensor
+
+__all__ = ["to_wire", "sealed_args", "op_path"]
+
+
+def to_wire(obj):
+    """Arguments as they travel: proxies become Refs; containers are rebuilt only if needed."""
+    t = type(obj)
+    if t is Tensor:
+        return m.Ref(obj._r.id)
+    if t is tuple or t is list:
+        return t(to_wire(x) for x in obj)
+    if t is dict:
+        return {k: to_wire(v) for k, v in obj.items()}
+    if t is torch.Tensor or isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuples keep their type
+        return t(*(to_wire(x) for x in obj))
+    wire = getattr(obj, "_tdmesh_wire", None)
+    if wire is not None:
+        return wire()
+    return obj
+
+
+def sealed_args(args: tuple, kwargs: dict) -> bytes:
+    """A user function's arguments, pickled on their own: a value the worker cannot unpickle
+    (a class defined in ``__main__``, say) then fails that call, not the worker's whole frame."""
+    try:
+        return pickle.dumps((to_wire(args), to_wire(kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise TypeError(f"the arguments of this remote call cannot be pickled ({type(e).__name__}: {e}); "
+                        f"pass tensors, plain values or importable classes\n  at {user_line()}") from e
+
+
+_op_paths: dict = {}
+
+
+def op_path(func) -> str:
+    """The import path of an aten (or library) op overload, as workers resolve it."""
+    path = _op_paths.get(func)
+    if path is None:
+        path = f"torch.ops.{func.namespace}.{func._schema.name.split('::')[1]}.{func._overloadname}"
+        _op_paths[func] = path
+    return path

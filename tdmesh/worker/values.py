@@ -1,0 +1,97 @@
+"""What a worker's ref table holds besides tensors, and the helpers around its values.
+
+A ``Poison`` stands where a value could not be computed; a ``BorrowSlot`` is a value lent
+between streams; ``device_is_broken`` tells a sticky CUDA error (the worker must leave)
+from an ordinary one.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from typing import Any
+
+import torch
+
+from .. import messages as m
+from ..errors import TdmeshError
+from .streams import Stream
+
+__all__ = ["Poison", "DependentOnError", "BorrowSlot", "DeviceBroken", "device_is_broken", "event_on", "unseal",
+           "to_fetchable"]
+
+
+class Poison:
+    """The slot of a value whose computation failed at ``seq``."""
+    __slots__ = ("seq", "message")
+
+    def __init__(self, seq: int, message: str) -> None:
+        self.seq = seq
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"Poison(seq={self.seq}, {self.message!r})"
+
+
+class DependentOnError(Exception):
+    def __init__(self, poison: Poison) -> None:
+        super().__init__(poison.message)
+        self.poison = poison
+
+
+class BorrowSlot:
+    """A value lent from one stream to another, with the events that order the two."""
+    __slots__ = ("msg", "created", "released", "value", "event", "last_event")
+
+    def __init__(self, msg: m.BorrowCreate) -> None:
+        self.msg = msg
+        self.created = threading.Event()
+        self.released = threading.Event()
+        self.value: Any = None
+        self.event: Any = None
+        self.last_event: Any = None
+
+
+class DeviceBroken(TdmeshError, RuntimeError):
+    """This worker's device can no longer run anything (a sticky CUDA error)."""
+
+
+def device_is_broken(device: torch.device, error: BaseException) -> bool:
+    """Whether ``error`` left ``device`` unusable.  A device-side assert or an illegal address
+    poisons the CUDA context for good; other CUDA errors (a bad launch configuration) do
+    not.  Only a new round trip through the device tells the two apart."""
+    cuda_error = isinstance(error, getattr(torch, "AcceleratorError", RuntimeError)) or "CUDA error" in str(error)
+    if device.type != "cuda" or not cuda_error:
+        return False
+    try:
+        torch.cuda.synchronize(device)
+        torch.zeros(1, device=device).add_(1).item()
+    except Exception:  # noqa: BLE001 - whatever the broken context raises
+        return True
+    return False
+
+
+def event_on(stream: Stream):
+    """A CUDA event recorded now on ``stream``'s CUDA stream; None on CPU (threads order it)."""
+    if stream.cuda is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream.cuda)
+    return event
+
+
+def unseal(args, kwargs):
+    """Arguments as sent: a tuple (aten ops), or pickled bytes (user functions, see sealed_args)."""
+    if type(args) is bytes:
+        return pickle.loads(args)
+    return args, kwargs
+
+
+def to_fetchable(leaf):
+    """Tensors travel to the client on CPU, carrying only their own elements."""
+    if isinstance(leaf, torch.Tensor):
+        leaf = leaf.detach()
+        if leaf.device.type != "cpu":
+            leaf = leaf.cpu()
+        return m.pack_tensor(leaf)
+    return leaf
