@@ -109,17 +109,22 @@ class Client:
             raise UsageError("this mesh has exited; its tensors can no longer be used")
 
     def submit(self, ranks, msg, seq: int | None = None, uses=(), defs=(), future: Future | None = None,
-               inputs=(), deletes_first: bool = False) -> None:
+               inputs=(), deletes_first: bool = False, outputs=()) -> None:
         """The sink's one method: record op ``seq`` (if any) in the history and queue ``msg``
         for ``ranks``.  Frees of dead proxies are batched into one DeleteRefs per flush (ref
-        ids are never reused, so a late free is safe); ``deletes_first`` sends them first."""
+        ids are never reused, so a late free is safe); ``deletes_first`` sends them first.
+        ``inputs`` and ``outputs`` (the proxies the op read and made) matter to a recorder only."""
         with self.lock:
             self.check_usable()
             if deletes_first and self._deletes:
                 self._queue_deletes()
             if seq is not None:
                 self.history.add(seq, uses, defs, call_site(), future)
-            self._queue(ranks, encode(msg))
+            data = encode(msg)
+            buffers = self._buffers
+            for r in ranks:
+                buffers[r].append(data)
+            self._buffered_bytes += len(data)
             if seq is not None:
                 self._ops_since_probe += 1
                 if self._ops_since_probe >= self.controller.ops_per_progress_request:
@@ -129,21 +134,15 @@ class Client:
             elif self._buffered_bytes > _FLUSH_BYTES or time.monotonic() - self._last_flush > _FLUSH_INTERVAL:
                 self.flush()
 
-    def made(self, proxies) -> None:
-        """The sink hears of the proxies an op made (a Recorder keeps them; sending does not)."""
-
     def send_setup(self, msg, ranks=None) -> None:
         """A message that sets the fleet up (groups, recordings, supervision): never part of a
         compiled function, so it bypasses the sink."""
         with self.lock:
             self.check_usable()
-            self._queue(self.ranks if ranks is None else ranks, encode(msg))
-
-    def _queue(self, ranks, data: bytes) -> None:
-        buffers = self._buffers
-        for r in ranks:
-            buffers[r].append(data)
-        self._buffered_bytes += len(data)
+            data = encode(msg)
+            for r in (self.ranks if ranks is None else ranks):
+                self._buffers[r].append(data)
+            self._buffered_bytes += len(data)
 
     def _queue_probe(self, seq: int) -> None:
         """A RequestStatus after ``seq``: progress for the supervisor and completion for the

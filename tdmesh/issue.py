@@ -49,7 +49,7 @@ def issue(mesh, build: Callable, *, inputs: Sequence[Tensor] = (), outputs: Sequ
     with client.lock:
         results: list = []
         proxies: list = []
-        made: list = []
+        made: list = []  # the new proxies
         for out in outputs:
             if type(out) is New:
                 ref = client.new_ref()
@@ -57,8 +57,8 @@ def issue(mesh, build: Callable, *, inputs: Sequence[Tensor] = (), outputs: Sequ
                                out.mesh if out.mesh is not None else mesh, ref,
                                out.aliases if out.aliases is not None else AliasSet(),
                                out.stream if out.stream is not None else stream)
-                made.append(proxy)
                 proxies.append(proxy)
+                made.append(proxy)
                 results.append(ref)
             else:
                 proxies.append(out)
@@ -69,20 +69,20 @@ def issue(mesh, build: Callable, *, inputs: Sequence[Tensor] = (), outputs: Sequ
         all_uses = [t._r.id for t in inputs]
         if uses:
             all_uses.extend(uses)
-        all_defs = [r for r in results if r is not None] + mutated_refs
+        all_defs = [t._r.id for t in made]  # the new refs, then every alias of what the op writes
+        if mutated_refs:
+            all_defs.extend(mutated_refs)
         if defs:
             all_defs.extend(defs)
         sink = client.sink
-        if made:
-            sink.made(made)
         if type(msg) is list:
             (first_ranks, first), rest = msg[0], msg[1:]
-            sink.submit(first_ranks, first, seq, all_uses, all_defs, future, inputs, deletes_first)
+            sink.submit(first_ranks, first, seq, all_uses, all_defs, future, inputs, deletes_first, made)
             for part_ranks, part in rest:
                 sink.submit(part_ranks, part)
         else:
             sink.submit(mesh.rank_list if ranks is None else ranks, msg, seq, all_uses, all_defs, future, inputs,
-                        deletes_first)
+                        deletes_first, made)
     return proxies
 
 

@@ -43,16 +43,15 @@ class Recorder:
         self.created: list = []  # weakrefs to the RefOwners made while tracing
         self.seen: dict[int, Tensor] = {}  # every tensor an op read while tracing, by ref
 
-    def submit(self, ranks, msg, seq=None, uses=(), defs=(), future=None, inputs=(), deletes_first=False) -> None:
+    def submit(self, ranks, msg, seq=None, uses=(), defs=(), future=None, inputs=(), deletes_first=False,
+               outputs=()) -> None:
         if type(msg) in (m.SendValue, m.RequestStatus):
             raise NotImplementedError("NYI: fetching values inside a compiled function; return the tensor and "
                                       "fetch it after the call")
         for t in inputs:
             self.seen[t.ref] = t
+        self.created.extend(weakref.ref(t._r) for t in outputs)
         self.messages.append((tuple(ranks), msg, list(uses), list(defs)))
-
-    def made(self, proxies) -> None:
-        self.created.extend(weakref.ref(t._r) for t in proxies)
 
 
 class _Compiled:
