@@ -11,9 +11,11 @@ from __future__ import annotations
 import warnings
 from typing import NamedTuple
 
+import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import messages as m
+from .dispatch import ship_local
 from .errors import user_line
 from .grouping import normalize_dims, to_mesh_plan
 from .issue import New, issue
@@ -202,10 +204,13 @@ def _to_mesh(t: Tensor, source, dest, stream=None) -> Tensor:
 
 
 def to_mesh(tensors, mesh, stream=None):
-    """Copy every tdmesh tensor (or MeshSliceTensor) of a pytree to ``mesh``."""
+    """Copy every tensor of a pytree to ``mesh``: tdmesh tensors (or MeshSliceTensors) move
+    between meshes; local tensors are shipped, the same copy to every rank."""
     def move(x):
         if isinstance(x, MeshSliceTensor):
             return x.to_mesh(mesh, stream)
+        if isinstance(x, torch.Tensor) and type(x) is not Tensor:
+            return ship_local(x, mesh, stream)
         return _to_mesh(x, x.mesh if type(x) is Tensor else None, mesh, stream)
     return tree_map(move, tensors, is_leaf=lambda x: isinstance(x, MeshSliceTensor))
 

@@ -11,6 +11,7 @@ or a factory under an active mesh, gets its output metadata from :mod:`tdmesh.pr
 from __future__ import annotations
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map, tree_unflatten
 
@@ -18,21 +19,22 @@ from . import messages as m
 from ._coalescing import check_not_coalescing
 from ._context import active_mesh_or_none
 from .errors import UsageError, user_line
-from .fetch import fetch_shard
-from .issue import New, issue
+from .fetch import fetch_shard, send_value
+from .issue import New, adopt, issue, issue_unshaped
 from .placement import check_inputs, check_mutation
 from .propagation import TensorMeta, op_aliasing, propagate, schema_arg
 from .stream import get_active_stream
 from .tensor import Tensor, describe, raise_in_op
 from .wire import op_path, to_wire
 
-__all__ = ["dispatch", "MESH_MODE"]
+__all__ = ["dispatch", "ship_local", "MESH_MODE"]
 
 # Ops whose answer is a Python value on the client: they need a fetch, not a dispatch.
 _NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item"}
 _LIFT = ("aten::lift_fresh", "aten::lift")
 
 _no_tensor_out: dict = {}
+_value_out: dict = {}
 
 
 def _makes_no_tensor(func) -> bool:
@@ -41,6 +43,15 @@ def _makes_no_tensor(func) -> bool:
         answer = not any("Tensor" in str(r.type) for r in func._schema.returns) and not any(
             "Tensor" in str(a.type) for a in func._schema.arguments)
         _no_tensor_out[func] = answer
+    return answer
+
+
+def _returns_python_value(func) -> bool:
+    """Ops such as ``allclose`` or ``equal`` answer with a Python value, not a tensor."""
+    answer = _value_out.get(func)
+    if answer is None:
+        returns = func._schema.returns
+        answer = _value_out[func] = bool(returns) and not any("Tensor" in str(r.type) for r in returns)
     return answer
 
 
@@ -70,7 +81,7 @@ def dispatch(func, args: tuple, kwargs: dict):
     key = (_scan(args, remote, local), _scan(kwargs, remote, local) if kwargs else None)
     if remote:
         mesh = remote[0]._mesh
-        if name in _NEEDS_VALUE:
+        if name in _NEEDS_VALUE or _returns_python_value(func):
             return _value_on_client(func, args, kwargs, remote)
     elif local and name not in _LIFT:
         # only local tensors (a fetched value, say): the op is the client's own business.
@@ -88,10 +99,10 @@ def dispatch(func, args: tuple, kwargs: dict):
                          f"tdmesh.local_mesh() or tdmesh.world_mesh()\n  at {user_line()}")
     if local:
         if name in _LIFT and not remote:
-            return _ship_local(local[0], mesh)
+            return ship_local(local[0], mesh)
         raise_in_op("LOCAL_TENSOR", f"{func} mixes a local tensor with the mesh {mesh.shape}:\n"
-                                    f"  {describe(local[0])}\nmove it to the mesh with torch.tensor(...) under "
-                                    f"`with mesh.activate():`, or run local code under tdmesh.no_mesh.activate()")
+                                    f"  {describe(local[0])}\ncopy it to the mesh with tdmesh.to_mesh(tensor, mesh), "
+                                    f"or run local code under tdmesh.no_mesh.activate()")
     check_inputs(remote, mesh, func)
     return _dispatch_remote(func, args, kwargs, key, remote, mesh, client)
 
@@ -110,6 +121,8 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
     try:
         out = propagate(func, args, kwargs, remote, key)
     except Exception as e:  # noqa: BLE001 - re-raised, with the user's line
+        if data_dependent(e):
+            return _dispatch_unshaped(func, args, kwargs, remote, mesh, device)
         # Errors that metadata reveals are the user's, raised at their line as local torch would.
         if not _retypable(e):
             raise
@@ -124,6 +137,7 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
                 check_mutation(t, func)
                 mutated.append(t)
     outputs: list = []
+    restrides: list = []  # (proxy, its new metadata) for in-place view ops: squeeze_, t_, as_strided_ ...
     for leaf, (source, is_write) in zip(out.leaves, _leaf_sources(aliasing, out, func, args, kwargs)):
         if type(leaf) is tuple and leaf and leaf[0] == "value":
             if leaf[1] is None:  # an optional output the op did not produce (e.g. a grad)
@@ -132,8 +146,10 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
             raise TypeError(f"{func} returns a Python value ({leaf[1]!r}) that needs a fetch\n  at {user_line()}")
         if is_write and type(source) is Tensor:
             if source._meta != leaf:
-                raise NotImplementedError(f"{func} changes the shape or strides of a remote tensor in place; "
-                                          f"use its out-of-place form\n  at {user_line()}")
+                if torch.Tag.inplace_view not in func.tags:
+                    raise NotImplementedError(f"{func} changes the shape or strides of a remote tensor in place; "
+                                              f"use its out-of-place form\n  at {user_line()}")
+                restrides.append((source, leaf))
             outputs.append(source)  # in-place / out=: the result is the argument itself
             continue
         outputs.append(New(leaf, source._r.aliases if type(source) is Tensor else None))
@@ -145,9 +161,74 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
                               stream.id)
 
     proxies = issue(mesh, build, inputs=remote, outputs=outputs, mutated=mutated, device=device, stream=stream)
+    for proxy, meta in restrides:
+        _restride(func, args, kwargs, proxy, meta)
     if out.single:
         return proxies[0]
     return tree_unflatten(proxies, out.spec)
+
+
+def _dispatch_unshaped(func, args, kwargs, remote, mesh, device):
+    """An op whose output shapes only the data decides (``nonzero``, ``x[x > 0]``, ``unique``):
+    it runs on the workers, and one blocking round trip learns the shapes, which every rank
+    of the mesh must agree on (the client holds one proxy for all ranks)."""
+    check_not_coalescing(f"{func} (its output shape depends on the data: the client must ask the workers)")
+    returns = func._schema.returns
+    if any(isinstance(r.type, torch.ListType) for r in returns) or any(
+            op_aliasing(func).mutated_args) or not returns:
+        raise NotImplementedError(f"{func}: its output shape depends on the data, and tdmesh learns such shapes "
+                                  f"only for ops that return tensors without mutating their inputs; run it in a "
+                                  f"remote function, or use a fixed-size form\n  at {user_line()}")
+    stream = get_active_stream()
+    path = op_path(func)
+
+    def build(seq, results, _mutated):
+        return m.CallFunction(seq, results, (), path, to_wire(args), to_wire(kwargs) if kwargs else {}, stream.id)
+
+    refs = issue_unshaped(mesh, build, len(returns), inputs=remote, stream=stream)
+    try:
+        described = send_value(mesh, "tdmesh.worker.builtins.describe", ([m.Ref(r) for r in refs],), {}, None,
+                               uses=refs).result()
+    except BaseException:
+        mesh.client.delete_refs(refs, mesh)
+        raise
+    shapes = list(described)  # (point, descriptions) per rank
+    first = shapes[0][1]
+    if any(v != first for _, v in shapes):
+        mesh.client.delete_refs(refs, mesh)
+        per_rank = "\n".join(f"  {point}: {[list(d[0]) for d in v]}" for point, v in shapes)
+        raise ValueError(f"{func}: its output shape depends on the data, and the ranks of {mesh.shape} disagree:\n"
+                         f"{per_rank}\none proxy cannot stand for different shapes; run it inside a remote "
+                         f"function, or use a fixed-size form (nonzero_static(size=...), "
+                         f"repeat_interleave(output_size=...), masked_fill instead of boolean indexing)"
+                         f"\n  at {user_line()}")
+    metas = [TensorMeta(d[0], d[1], d[2], getattr(torch, d[3])) for d in first]
+    proxies = adopt(mesh, refs, metas, device, stream)
+    return proxies[0] if len(proxies) == 1 else tuple(proxies)
+
+
+def data_dependent(e: Exception) -> bool:
+    """Whether propagation failed because the output shape depends on the data."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    if isinstance(e, (DynamicOutputShapeException, DataDependentOutputException)):
+        return True
+    text = str(e)
+    return ("data is not allocated" in text or "meta tensor without output_size" in text
+            or "cannot be called on meta tensors" in text)
+
+
+def _restride(func, args, kwargs, proxy: Tensor, meta: TensorMeta) -> None:
+    """An in-place view op changes the proxy's own sizes, strides and offset, as it changes
+    the worker's tensor: run the op's meta kernel on the wrapper itself, with no dispatch
+    (torch's subclass helpers update wrapper metadata the same way)."""
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+    proxy._meta = meta
 
 
 def _leaf_sources(aliasing, out, func, args, kwargs):
@@ -189,12 +270,16 @@ def _value_on_client(func, args, kwargs, remote):
         return func(*tree_map(swap, args), **tree_map(swap, kwargs))
 
 
-def _ship_local(data: torch.Tensor, mesh):
-    """``torch.tensor(data)`` under a mesh: the data travels with the op."""
+def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:
+    """A copy of the local tensor ``data`` on every rank of ``mesh`` (``torch.tensor(python
+    data)`` under a mesh, ``tdmesh.to_mesh(local, mesh)``): its bytes travel with the op."""
+    if data.layout is not torch.strided:
+        raise NotImplementedError(f"shipping a {data.layout} tensor to a mesh; make it dense first (.to_dense())"
+                                  f"\n  at {user_line()}")
     device = mesh.client.device
+    data = data.detach().to("cpu", copy=True).contiguous()  # its bytes travel; each worker copies to its device
     meta = TensorMeta(tuple(data.shape), tuple(data.stride()), 0, data.dtype)
-    data = data.detach().clone()
-    stream = get_active_stream()
+    stream = stream if stream is not None else get_active_stream()
 
     def build(seq, results, _mutated):
         return m.CallFunction(seq, results, (), "torch.ops.aten._to_copy.default", (data,), {"device": device},

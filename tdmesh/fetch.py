@@ -85,9 +85,10 @@ def shard_rank(mesh, shard: dict | None, coords: dict) -> int:
     return mesh.shape.index(**shard).slice.offset
 
 
-def send_value(mesh, function, args, kwargs, rank: int | None) -> Future:
+def send_value(mesh, function, args, kwargs, rank: int | None, uses: tuple = ()) -> Future:
     """A SendValue to one rank (``rank=None``: every rank of ``mesh``, gathered into a
-    ValueMesh), on the stream of the tensors it reads (else the active one)."""
+    ValueMesh), on the stream of the tensors it reads (else the active one); ``uses`` are
+    refs it reads that no proxy holds yet."""
     check_not_coalescing("fetching results")
     client = mesh.client
     flat, _ = tree_flatten((args, kwargs))
@@ -100,7 +101,8 @@ def send_value(mesh, function, args, kwargs, rank: int | None) -> Future:
     sealed = sealed_args(args, kwargs)
     with client.lock:
         issue(mesh, lambda seq, results, mutated: m.SendValue(seq, (), function, sealed, {}, stream.id, groups),
-              inputs=tensors, stream=stream, ranks=None if rank is None else (rank,), future=fut, deletes_first=True)
+              inputs=tensors, stream=stream, ranks=None if rank is None else (rank,), future=fut, deletes_first=True,
+              uses=uses)
         client.request_status(client.last_seq)  # the SendValue's: completion resolves the future
         client.flush()
     return fut

@@ -19,7 +19,7 @@ from .propagation import TensorMeta
 from .stream import Stream, get_active_stream
 from .tensor import AliasSet, Tensor
 
-__all__ = ["New", "issue", "issue_message"]
+__all__ = ["New", "issue", "issue_message", "issue_unshaped", "adopt"]
 
 
 class New(NamedTuple):
@@ -84,6 +84,27 @@ def issue(mesh, build: Callable, *, inputs: Sequence[Tensor] = (), outputs: Sequ
             sink.submit(mesh.rank_list if ranks is None else ranks, msg, seq, all_uses, all_defs, future, inputs,
                         deletes_first, made)
     return proxies
+
+
+def issue_unshaped(mesh, build: Callable, count: int, *, inputs: Sequence[Tensor] = (),
+                   mutated: Sequence[Tensor] = (), stream: Stream | None = None) -> list[int]:
+    """Issue an op whose output shapes only the data decides: its ``count`` result refs are
+    defined on the workers now; :func:`adopt` makes their proxies once the shapes are known."""
+    client = mesh.client
+    stream = stream if stream is not None else get_active_stream()
+    with client.lock:
+        results = [client.new_ref() for _ in range(count)]
+        mutated_refs = [r for t in mutated for r in t._r.aliases.refs]
+        seq = client.new_seq()
+        msg = build(seq, tuple(results), tuple(mutated_refs))
+        client.sink.submit(mesh.rank_list, msg, seq, [t._r.id for t in inputs], results + mutated_refs, None, inputs)
+    return results
+
+
+def adopt(mesh, refs: Sequence[int], metas: Sequence[TensorMeta], device, stream: Stream) -> list[Tensor]:
+    """The proxies of refs that :func:`issue_unshaped` defined, now that their shapes are known."""
+    with mesh.client.lock:
+        return [Tensor(meta, device, mesh, ref, AliasSet(), stream) for ref, meta in zip(refs, metas)]
 
 
 def issue_message(mesh, msg, ranks=None) -> None:

@@ -286,7 +286,7 @@ def pack_tensor(t):
     import torch
     if t.layout is not torch.strided or t.is_quantized or t.is_nested or t.requires_grad:
         return t
-    t = t.contiguous()
+    t = t.resolve_conj().resolve_neg().contiguous()  # the bytes must hold the values, not a lazy view of them
     return PackedTensor(str(t.dtype).split(".")[1], tuple(t.shape),
                         ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
 

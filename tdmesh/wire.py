@@ -9,6 +9,7 @@ from __future__ import annotations
 import pickle
 
 import torch
+from torch._library.custom_ops import OPDEFS
 
 from . import messages as m
 from .errors import user_line
@@ -28,8 +29,9 @@ def to_wire(obj):
         return {k: to_wire(v) for k, v in obj.items()}
     if t is torch.Tensor or isinstance(obj, torch.Tensor):
         return obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuples keep their type
-        return t(*(to_wire(x) for x in obj))
+    if isinstance(obj, tuple):  # NamedTuples and torch.return_types (sort, topk, svd ...) keep their type
+        items = [to_wire(x) for x in obj]
+        return t(*items) if hasattr(obj, "_fields") else t(items)
     wire = getattr(obj, "_tdmesh_wire", None)
     if wire is not None:
         return wire()
@@ -50,9 +52,17 @@ _op_paths: dict = {}
 
 
 def op_path(func) -> str:
-    """The import path of an aten (or library) op overload, as workers resolve it."""
+    """The import path of an aten (or library) op overload, as workers resolve it.  An op that
+    a Python module registers (``torch.library.custom_op``) carries that module after an
+    ``@``: the worker imports it first, so the op exists there too."""
     path = _op_paths.get(func)
     if path is None:
-        path = f"torch.ops.{func.namespace}.{func._schema.name.split('::')[1]}.{func._overloadname}"
+        qualname = func._schema.name
+        path = f"torch.ops.{func.namespace}.{qualname.split('::')[1]}.{func._overloadname}"
+        if func.namespace not in ("aten", "prims"):
+            definition = OPDEFS.get(qualname)
+            module = getattr(getattr(definition, "_init_fn", None), "__module__", None)
+            if module:
+                path = f"{path}@{module}"
         _op_paths[func] = path
     return path

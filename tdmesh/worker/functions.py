@@ -24,7 +24,14 @@ def resolve(function: Any) -> Callable:
     except (KeyError, TypeError):
         pass
     if isinstance(function, str):
-        fn = _import_path(function)
+        path, _, registrar = function.partition("@")  # "torch.ops.ns.op.overload@module that defines it"
+        if registrar:
+            try:
+                importlib.import_module(registrar)
+            except ImportError as e:
+                raise ResolveError(f"failed to resolve function {path!r}: the module that defines it, "
+                                   f"{registrar!r}, does not import on this worker ({e})") from None
+        fn = _import_path(path)
     elif isinstance(function, bytes):
         try:
             fn = _loads(function)

@@ -328,8 +328,9 @@ class Interpreter:
             return self.groups.torch_mesh(stream.id, obj.mesh, self.device)
         if t is torch.device and obj.type != "cpu":
             return self.device
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a user NamedTuple holding refs
-            return t(*(self._resolve(x, stream) for x in obj))
+        if isinstance(obj, tuple):  # a NamedTuple or a torch.return_types value holding refs
+            items = [self._resolve(x, stream) for x in obj]
+            return t(*items) if hasattr(obj, "_fields") else t(items)
         return obj
 
     @staticmethod

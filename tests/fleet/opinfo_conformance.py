@@ -1,0 +1,130 @@
+"""torch's own OpInfo samples, run locally and through a mesh, compared (issue 13).
+
+``python -m tests.fleet.opinfo_conformance [--device cpu|cuda] [--dtype float32|bfloat16]``
+prints the rate and every failing sample; ``tests/fleet/test_opinfo.py`` runs it in the suite.
+Each op of ``op_db`` that supports the dtype gives up to ``SAMPLES_PER_OP`` sample inputs; a
+sample counts when local torch runs it (an input local torch refuses tests nothing here).
+The same inputs (storage and view) are shipped to a one-worker mesh, the op runs there,
+the result is fetched and compared with ``torch.testing.assert_close`` (strides not compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from typing import NamedTuple
+
+import torch
+from torch.utils._pytree import tree_map
+
+import tdmesh
+
+SAMPLES_PER_OP = 8
+
+# Ops whose results do not depend on their inputs alone: random draws, or memory left
+# uninitialised.  Local torch and a worker cannot agree on them by construction.
+_RANDOM = ("bernoulli normal normal.number_mean rand rand_like randint randint_like randn randn_like multinomial "
+           "uniform cauchy exponential geometric log_normal nn.functional.dropout nn.functional.dropout2d "
+           "nn.functional.dropout3d nn.functional.alpha_dropout nn.functional.feature_alpha_dropout.with_train "
+           "nn.functional.feature_alpha_dropout.without_train nn.functional.fractional_max_pool2d "
+           "nn.functional.fractional_max_pool3d nn.functional.rrelu nn.functional.gumbel_softmax "
+           "nn.functional.multi_head_attention_forward nn.functional.scaled_dot_product_attention "
+           "svd_lowrank pca_lowrank").split()
+_UNINITIALISED = "empty empty_like new_empty new_empty_strided empty_strided empty_permuted".split()
+NOT_DETERMINISTIC = {**{op: "draws random numbers (the worker's generator is not the client's)" for op in _RANDOM},
+                     **{op: "returns uninitialised memory" for op in _UNINITIALISED}}
+
+
+class Outcome(NamedTuple):
+    op: str
+    sample: int
+    error: str | None  # None: identical
+
+
+def _ship(mesh, value):
+    """Local tensors of a sample as exact copies on the mesh; everything else as it is."""
+    return tree_map(lambda x: _ship_tensor(mesh, x) if isinstance(x, torch.Tensor) else x, value)
+
+
+def _ship_tensor(mesh, t: torch.Tensor):
+    """``t`` on the mesh with its whole storage, viewed with its own sizes, strides and offset:
+    ops that read the storage around a view (``as_strided``) see the same memory there."""
+    if t.layout is not torch.strided or t.is_conj() or t.is_neg():
+        return tdmesh.to_mesh(t, mesh)
+    storage = t.untyped_storage()
+    base = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, (storage.nbytes() // t.element_size(),))
+    remote = tdmesh.to_mesh(base, mesh)
+    with mesh.activate():
+        return remote.as_strided(t.size(), t.stride(), t.storage_offset())
+
+
+def conformance(mesh, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                only: set[str] | None = None) -> list[Outcome]:
+    """Every sample's outcome, op by op."""
+    from torch.testing._internal.common_methods_invocations import op_db
+    outcomes = []
+    for op in op_db:
+        name = op.name if not op.variant_test_name else f"{op.name}.{op.variant_test_name}"
+        if (only is not None and name not in only) or name in NOT_DETERMINISTIC or op.name in NOT_DETERMINISTIC:
+            continue
+        if dtype not in op.supported_dtypes(device):
+            continue
+        try:
+            samples = list(op.sample_inputs(device, dtype, requires_grad=False))[:SAMPLES_PER_OP]
+        except Exception:  # noqa: BLE001 - the database cannot make inputs for this op here
+            continue
+        for i, sample in enumerate(samples):
+            try:
+                expected = op(sample.input, *sample.args, **sample.kwargs)
+            except Exception:  # noqa: BLE001 - local torch refuses this input: nothing to compare
+                continue
+            error = _compare(mesh, op, sample, expected)
+            outcomes.append(Outcome(name, i, error))
+    return outcomes
+
+
+def _compare(mesh, op, sample, expected) -> str | None:
+    try:
+        remote_input, remote_args, remote_kwargs = _ship(mesh, (sample.input, sample.args, sample.kwargs))
+        with mesh.activate():
+            out = op(remote_input, *remote_args, **remote_kwargs)
+            got = tdmesh.fetch_shard(out).result()
+    except Exception as e:  # noqa: BLE001 - any failure is this sample's result
+        text = str(e).splitlines()[0] if str(e) else ""
+        return f"{type(e).__name__}: {text}"[:300]
+    try:
+        torch.testing.assert_close(got, tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, expected),
+                                   equal_nan=True, check_stride=False, check_device=False)
+    except Exception as e:  # noqa: BLE001 - a different value (or type, or shape)
+        return f"different result: {str(e).splitlines()[0]}"[:300]
+    return None
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    ok = sum(o.error is None for o in outcomes)
+    ops = {o.op for o in outcomes}
+    failing = Counter(o.op for o in outcomes if o.error is not None)
+    return (f"{ok}/{len(outcomes)} samples identical ({100.0 * ok / max(len(outcomes), 1):.2f}%) over {len(ops)} ops; "
+            f"{len(failing)} ops with a failing sample")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--op", action="append", help="only these ops (repeatable)")
+    args = p.parse_args()
+    start = time.monotonic()
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh:
+        outcomes = conformance(mesh, args.device, getattr(torch, args.dtype), set(args.op) if args.op else None)
+    for o in outcomes:
+        if o.error is not None:
+            print(f"FAIL {o.op}[{o.sample}]: {o.error}")
+    print(f"{args.device} {args.dtype}: {summary(outcomes)} in {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
