@@ -642,7 +642,8 @@ def test_to_mesh_argument_errors(cmesh):
     with pytest.raises(ValueError, match="different length"):
         t.slice_mesh(**{other(shorter_dest): 0}).to_mesh(cmesh.slice(**{shorter_dest: slice(1, 2)}))
     with pytest.raises(TypeError, match="tdmesh tensor"):
-        tdmesh.to_mesh(torch.ones(2), cmesh)
+        tdmesh.to_mesh("not a tensor", cmesh)
+    assert torch.equal(inspect(tdmesh.to_mesh(torch.ones(2), cmesh)), torch.ones(2))  # local data is shipped
     assert torch.equal(inspect(t), torch.ones(2))
 
 

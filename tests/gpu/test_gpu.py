@@ -16,6 +16,9 @@ import tdmesh
 
 from paths import REPO, SCRIPTS
 
+sys.path.insert(0, os.path.join(REPO, "tests", "fleet"))
+from opinfo_conformance import conformance, summary  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 SCRIPT = os.path.join(SCRIPTS, "torchrun_job.py")
 
@@ -222,3 +225,24 @@ def test_no_mesh_inside_a_gpu_mesh_stays_on_the_clients_device(tmp_path):
     assert "value [1.0, 1.0] [3.0, 3.0]" in out.stdout
     assert "worker has a context True" in out.stdout  # the probe can see contexts
     assert "client has a context False" in out.stdout
+
+
+# ----------------------------------------------------------------------------- OpInfo on CUDA workers
+CUDA_KNOWN_FAILURES = {
+    "sparse.sampled_addmm": "sparse CSR inputs cannot be shipped to a mesh yet",
+    "tensor_split": "tensor_split(x, tensor_of_indices) wants the indices on the CPU, and they are on the mesh",
+    "resize_": "growing a CUDA proxy in place: torch's resize_ meta kernel refuses a CUDA wrapper",
+    "torch.ops.aten._efficient_attention_forward": "it returns SymInts beside tensors, which would need a fetch",
+    "torch.ops.aten._flash_attention_forward": "its bfloat16 samples draw dropout masks",
+    "jiterator_unary": "the local reference run faults (illegal memory access) on this host",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_opinfo_samples_match_local_torch_on_cuda_workers(dtype, capsys):
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh:
+        outcomes = conformance(mesh, "cuda", dtype)
+    with capsys.disabled():
+        print(f"\nOpInfo conformance, cuda {dtype}: {summary(outcomes)}")
+    new = sorted({f"{o.op}[{o.sample}]: {o.error}" for o in outcomes if o.error and o.op not in CUDA_KNOWN_FAILURES})
+    assert not new, "ops that fail on CUDA workers and not locally:\n" + "\n".join(new)
