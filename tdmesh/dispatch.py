@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import torch
 from torch.utils._mode_utils import no_dispatch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_map, tree_unflatten
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_unflatten
 
 from . import messages as m
 from ._coalescing import check_not_coalescing
 from ._context import active_mesh_or_none
 from .errors import UsageError, user_line
-from .fetch import fetch_shard, send_value
+from .fetch import send_value
 from .issue import New, adopt, issue, issue_unshaped
 from .placement import check_inputs, check_mutation
 from .propagation import TensorMeta, op_aliasing, propagate, schema_arg
@@ -253,21 +253,16 @@ def _retypable(e: Exception) -> bool:
 
 
 def _value_on_client(func, args, kwargs, remote):
-    """``t.item()``, ``bool(t)``, ``torch.equal``: a Python value the client needs now.
+    """``t.item()``, ``bool(t)``, ``torch.allclose``: a Python value the client needs now.
 
-    These block: the tensors are fetched from the first rank of their mesh (replicated
-    values such as an optimizer's step count read the same everywhere), then the op runs
-    locally.  Prefer ``fetch_shard`` where the wait can be deferred.
+    These block: the op runs on the first rank of the tensors' mesh (where its device is:
+    some such ops exist only for CUDA) and its value comes back, one round trip.  Replicated
+    values such as an optimizer's step count read the same everywhere; prefer ``fetch_shard``
+    where the wait can be deferred.
     """
     check_not_coalescing(f"{func} (it needs a value from the workers)")
-    values = fetch_shard(tuple(remote)).result()
-    local = dict(zip(map(id, remote), values))
-
-    def swap(x):
-        return local.get(id(x), x) if type(x) is Tensor else x
-
-    with _disable_current_modes():
-        return func(*tree_map(swap, args), **tree_map(swap, kwargs))
+    mesh = remote[0]._mesh
+    return send_value(mesh, op_path(func), args, kwargs, mesh.processes.offset).result()
 
 
 def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:

@@ -69,6 +69,8 @@ def conformance(mesh, device: str = "cpu", dtype: torch.dtype = torch.float32,
         name = op.name if not op.variant_test_name else f"{op.name}.{op.variant_test_name}"
         if (only is not None and name not in only) or name in NOT_DETERMINISTIC or op.name in NOT_DETERMINISTIC:
             continue
+        if device == "cuda" and op.name.startswith("jiterator_"):
+            continue  # the local reference run faults (illegal address) and poisons this process's CUDA context
         if dtype not in op.supported_dtypes(device):
             continue
         try:

@@ -79,5 +79,7 @@ def test_ops_of_python_libraries_resolve_on_the_worker(mesh1):
     """``linear_cross_entropy``'s chunked variants call ops that ``torch.library.custom_op``
     registers in a module the worker has not imported: the op carries that module."""
     ops = {"nn.functional.linear_cross_entropy.chunked", "nn.functional.linear_cross_entropy.chunked_none"}
+    if not hasattr(torch.nn.functional, "linear_cross_entropy"):
+        pytest.skip("this torch has no linear_cross_entropy (torch 2.13 added it)")
     outcomes = conformance(mesh1, "cpu", torch.float32, only=ops)
     assert {o.op for o in outcomes} == ops and all(o.error is None for o in outcomes), outcomes
