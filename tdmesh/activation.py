@@ -2,9 +2,10 @@
 
 Activation takes effect on call (before any ``with``) and restores the previous mesh when
 its context exits, so activations nest.  While any mesh is active the client runs the
-dispatch mode that turns torch ops into remote ops; a CUDA mesh also makes factories
-describe CUDA tensors, and ``no_mesh`` inside it gives local factories back the client's
-own default device (the client never creates a CUDA context by itself).
+dispatch mode that turns torch ops into remote ops, and the mesh's :class:`MeshFunctions`
+(factories describe tensors of the mesh's device type; local data given to
+``torch.tensor`` ships); ``no_mesh`` inside a CUDA mesh gives local factories back the
+client's own default device (the client never creates a CUDA context by itself).
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import threading
 
 import torch
 from torch.overrides import _get_current_function_mode_stack
-from torch.utils._device import DeviceContext
+from torch.utils._device import DeviceContext, _device_constructors
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 
-from ._context import active_mesh
-from .dispatch import MESH_MODE
+from ._context import active_mesh, active_mesh_or_none
+from .dispatch import MESH_MODE, ship_local
+from .tensor import Tensor
+from .unshaped import host_values
 
-__all__ = ["Activation", "no_mesh"]
+__all__ = ["Activation", "MeshFunctions", "no_mesh"]
 
 # The client's own default device, as it was before a CUDA mesh made factories default to
 # "cuda": under no_mesh, local tensors go back there.
@@ -36,13 +39,13 @@ class Activation:
         self._mesh = mesh
         self._token = active_mesh.set(mesh)
         self._device_token = None
-        self._device_ctx = None
-        if mesh is not None and mesh.device_type == "cuda":
-            if _client_device.get() is None:
+        self._device_ctx: DeviceContext | None = None
+        if mesh is not None:
+            if mesh.device_type == "cuda" and _client_device.get() is None:
                 self._device_token = _client_device.set(default_device())
-            self._device_ctx = torch.device("cuda")
-        elif mesh is None and _client_device.get() is not None:  # no_mesh inside a CUDA mesh
-            self._device_ctx = _client_device.get()
+            self._device_ctx = MeshFunctions(mesh.device_type)
+        elif _client_device.get() is not None:  # no_mesh inside a CUDA mesh
+            self._device_ctx = DeviceContext(_client_device.get())
         if self._device_ctx is not None:
             self._device_ctx.__enter__()
         _enter_mode()
@@ -64,6 +67,61 @@ class Activation:
         if self._device_token is not None:
             _client_device.reset(self._device_token)
         active_mesh.reset(self._token)
+
+
+class MeshFunctions(DeviceContext):
+    """The torch-function half of an active mesh (its dispatch half is ``MESH_MODE``).
+
+    As a DeviceContext it makes factories default to the mesh's device type.  It also sees
+    the calls that never reach the dispatcher in a form tdmesh can act on:
+    ``torch.tensor``/``as_tensor``/``asarray`` of a local tensor ship it to the mesh
+    (``as_tensor`` of a tensor that needs no conversion dispatches nothing at all), and
+    ``tensor_split`` by a remote tensor of indices reads them first (torch's kernel reads
+    the indices' memory directly).  On CUDA meshes it replaces the DeviceContext the mesh
+    needs anyway, so ops pay no extra Python call; on CPU meshes it costs one per torch call.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        special = _SPECIAL.get(func)
+        if special is not None:
+            out = special(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        if func in _device_constructors() and kwargs.get("device") is None:
+            kwargs["device"] = self.device
+        return func(*args, **kwargs)
+
+
+def _ship(func, args, kwargs):
+    """``torch.tensor(local)`` under a mesh: a copy of ``local`` on every rank of the mesh."""
+    data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+    mesh = active_mesh_or_none()
+    if mesh is None or not isinstance(data, torch.Tensor) or type(data) is Tensor:
+        return NotImplemented  # Python data lifts through the dispatcher; remote data copies there
+    dtype = kwargs.get("dtype")
+    local = data.detach()
+    if dtype is not None:
+        local = local.to(dtype)
+    out = ship_local(local, mesh)
+    if kwargs.get("requires_grad"):
+        out.requires_grad_()
+    return out
+
+
+def _split_by_remote_indices(func, args, kwargs):
+    for key in ("tensor_indices_or_sections", "indices_or_sections"):
+        if type(kwargs.get(key)) is Tensor:
+            values = host_values(kwargs[key], "tensor_split")
+            rest = {k: v for k, v in kwargs.items() if k != key}
+            return func(*args, **rest, **{"indices" if isinstance(values, list) else "sections": values})
+    if len(args) > 1 and type(args[1]) is Tensor:
+        return func(args[0], host_values(args[1], "tensor_split"), *args[2:], **kwargs)
+    return NotImplemented
+
+
+_SPECIAL = {torch.tensor: _ship, torch.as_tensor: _ship, torch.asarray: _ship,
+            torch.tensor_split: _split_by_remote_indices, torch.Tensor.tensor_split: _split_by_remote_indices}
 
 
 def default_device() -> torch.device:

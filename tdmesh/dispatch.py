@@ -13,18 +13,19 @@ from __future__ import annotations
 import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_unflatten
+from torch.utils._pytree import tree_map, tree_unflatten
 
 from . import messages as m
 from ._coalescing import check_not_coalescing
 from ._context import active_mesh_or_none
 from .errors import UsageError, user_line
 from .fetch import send_value
-from .issue import New, adopt, issue, issue_unshaped
+from .issue import New, issue
 from .placement import check_inputs, check_mutation
-from .propagation import TensorMeta, op_aliasing, propagate, schema_arg
+from .propagation import SparseMeta, TensorMeta, meta_tensor, op_aliasing, propagate, schema_arg, sparse_meta
 from .stream import get_active_stream
 from .tensor import Tensor, describe, raise_in_op
+from .unshaped import data_dependent, dispatch_unshaped, no_kernel
 from .wire import op_path, to_wire
 
 __all__ = ["dispatch", "ship_local", "MESH_MODE"]
@@ -32,6 +33,9 @@ __all__ = ["dispatch", "ship_local", "MESH_MODE"]
 # Ops whose answer is a Python value on the client: they need a fetch, not a dispatch.
 _NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item"}
 _LIFT = ("aten::lift_fresh", "aten::lift")
+# Questions a proxy's metadata answers without asking the workers.
+_STRUCTURE_QUERIES = {"prim::device", "aten::_nnz", "aten::sparse_dim", "aten::dense_dim", "aten::is_coalesced",
+                      "aten::_dimI", "aten::_dimV", "aten::is_same_size"}
 
 _no_tensor_out: dict = {}
 _value_out: dict = {}
@@ -101,7 +105,8 @@ def dispatch(func, args: tuple, kwargs: dict):
         if name in _LIFT and not remote:
             return ship_local(local[0], mesh)
         raise_in_op("LOCAL_TENSOR", f"{func} mixes a local tensor with the mesh {mesh.shape}:\n"
-                                    f"  {describe(local[0])}\ncopy it to the mesh with tdmesh.to_mesh(tensor, mesh), "
+                                    f"  {describe(local[0])}\ncopy it to the mesh with torch.tensor(tensor) under "
+                                    f"mesh.activate() or tdmesh.to_mesh(tensor, mesh), "
                                     f"or run local code under tdmesh.no_mesh.activate()")
     check_inputs(remote, mesh, func)
     return _dispatch_remote(func, args, kwargs, key, remote, mesh, client)
@@ -122,12 +127,17 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
         out = propagate(func, args, kwargs, remote, key)
     except Exception as e:  # noqa: BLE001 - re-raised, with the user's line
         if data_dependent(e):
-            return _dispatch_unshaped(func, args, kwargs, remote, mesh, device)
+            return dispatch_unshaped(func, args, kwargs, remote, mesh, device, "its output shape depends on the data")
+        if no_kernel(e):
+            return dispatch_unshaped(func, args, kwargs, remote, mesh, device,
+                                      "torch cannot derive its output metadata without running it")
         # Errors that metadata reveals are the user's, raised at their line as local torch would.
         if not _retypable(e):
             raise
         raise type(e)(f"{e}\n  (tdmesh: raised while checking {func} on the client, before anything was sent)"
                       f"\n  at {user_line()}") from None
+    if out.sparse:  # meta kernels cannot know how many elements a sparse result holds
+        return dispatch_unshaped(func, args, kwargs, remote, mesh, device, "it makes a sparse tensor")
     aliasing = op_aliasing(func)
     mutated: list = []
     for position in aliasing.mutated_args:
@@ -138,12 +148,16 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
                 mutated.append(t)
     outputs: list = []
     restrides: list = []  # (proxy, its new metadata) for in-place view ops: squeeze_, t_, as_strided_ ...
+    values: list = []  # (output position, the Python value propagation gave it)
     for leaf, (source, is_write) in zip(out.leaves, _leaf_sources(aliasing, out, func, args, kwargs)):
         if type(leaf) is tuple and leaf and leaf[0] == "value":
-            if leaf[1] is None:  # an optional output the op did not produce (e.g. a grad)
-                outputs.append(None)
-                continue
-            raise TypeError(f"{func} returns a Python value ({leaf[1]!r}) that needs a fetch\n  at {user_line()}")
+            # None: an optional output the op did not produce (e.g. a grad).  A number beside
+            # tensors (the max sequence lengths of _efficient_attention_forward) comes from
+            # the shapes and arguments alone (a meta kernel has no data): the client has it.
+            outputs.append(None)
+            if leaf[1] is not None:
+                values.append((len(outputs) - 1, leaf[1]))
+            continue
         if is_write and type(source) is Tensor:
             if source._meta != leaf:
                 if torch.Tag.inplace_view not in func.tags:
@@ -160,61 +174,14 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
         return m.CallFunction(seq, results, mutated_refs, path, to_wire(args), to_wire(kwargs) if kwargs else {},
                               stream.id)
 
-    proxies = issue(mesh, build, inputs=remote, outputs=outputs, mutated=mutated, device=device, stream=stream)
-    for proxy, meta in restrides:
+    for proxy, meta in restrides:  # before anything is sent: a refusal leaves both sides as they were
         _restride(func, args, kwargs, proxy, meta)
+    proxies = issue(mesh, build, inputs=remote, outputs=outputs, mutated=mutated, device=device, stream=stream)
+    for position, value in values:
+        proxies[position] = value
     if out.single:
         return proxies[0]
     return tree_unflatten(proxies, out.spec)
-
-
-def _dispatch_unshaped(func, args, kwargs, remote, mesh, device):
-    """An op whose output shapes only the data decides (``nonzero``, ``x[x > 0]``, ``unique``):
-    it runs on the workers, and one blocking round trip learns the shapes, which every rank
-    of the mesh must agree on (the client holds one proxy for all ranks)."""
-    check_not_coalescing(f"{func} (its output shape depends on the data: the client must ask the workers)")
-    returns = func._schema.returns
-    if any(isinstance(r.type, torch.ListType) for r in returns) or any(
-            op_aliasing(func).mutated_args) or not returns:
-        raise NotImplementedError(f"{func}: its output shape depends on the data, and tdmesh learns such shapes "
-                                  f"only for ops that return tensors without mutating their inputs; run it in a "
-                                  f"remote function, or use a fixed-size form\n  at {user_line()}")
-    stream = get_active_stream()
-    path = op_path(func)
-
-    def build(seq, results, _mutated):
-        return m.CallFunction(seq, results, (), path, to_wire(args), to_wire(kwargs) if kwargs else {}, stream.id)
-
-    refs = issue_unshaped(mesh, build, len(returns), inputs=remote, stream=stream)
-    try:
-        described = send_value(mesh, "tdmesh.worker.builtins.describe", ([m.Ref(r) for r in refs],), {}, None,
-                               uses=refs).result()
-    except BaseException:
-        mesh.client.delete_refs(refs, mesh)
-        raise
-    shapes = list(described)  # (point, descriptions) per rank
-    first = shapes[0][1]
-    if any(v != first for _, v in shapes):
-        mesh.client.delete_refs(refs, mesh)
-        per_rank = "\n".join(f"  {point}: {[list(d[0]) for d in v]}" for point, v in shapes)
-        raise ValueError(f"{func}: its output shape depends on the data, and the ranks of {mesh.shape} disagree:\n"
-                         f"{per_rank}\none proxy cannot stand for different shapes; run it inside a remote "
-                         f"function, or use a fixed-size form (nonzero_static(size=...), "
-                         f"repeat_interleave(output_size=...), masked_fill instead of boolean indexing)"
-                         f"\n  at {user_line()}")
-    metas = [TensorMeta(d[0], d[1], d[2], getattr(torch, d[3])) for d in first]
-    proxies = adopt(mesh, refs, metas, device, stream)
-    return proxies[0] if len(proxies) == 1 else tuple(proxies)
-
-
-def data_dependent(e: Exception) -> bool:
-    """Whether propagation failed because the output shape depends on the data."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-    if isinstance(e, (DynamicOutputShapeException, DataDependentOutputException)):
-        return True
-    text = str(e)
-    return ("data is not allocated" in text or "meta tensor without output_size" in text
-            or "cannot be called on meta tensors" in text)
 
 
 def _restride(func, args, kwargs, proxy: Tensor, meta: TensorMeta) -> None:
@@ -226,6 +193,14 @@ def _restride(func, args, kwargs, proxy: Tensor, meta: TensorMeta) -> None:
         torch._C._set_meta_in_tls_dispatch_include(True)
         try:
             func(*args, **kwargs)
+        except RuntimeError as e:  # resize_ growing a CUDA wrapper: torch's kernel asserts a meta tensor
+            # the kernel may have changed the (dense) proxy's sizes before it failed: put them back
+            old: TensorMeta = proxy._meta  # type: ignore[assignment]
+            torch.ops.aten.as_strided_.default(proxy, old.size, old.stride, old.offset)
+            raise NotImplementedError(
+                f"{func} changes a remote {proxy.device.type} tensor's shape in a way the client's proxy cannot "
+                f"follow ({str(e).splitlines()[0]}); nothing was sent.  Make a new tensor instead "
+                f"(torch.empty(new_shape), or x.new_empty(new_shape))\n  at {user_line()}") from None
         finally:
             torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
     proxy._meta = meta
@@ -260,20 +235,30 @@ def _value_on_client(func, args, kwargs, remote):
     values such as an optimizer's step count read the same everywhere; prefer ``fetch_shard``
     where the wait can be deferred.
     """
+    name = func._schema.name
+    if name in _STRUCTURE_QUERIES:
+        if name == "prim::device":  # asked of sparse proxies only: a wrapper knows its device
+            return remote[0]._device
+        return func(*_on_meta(args), **_on_meta(kwargs))
     check_not_coalescing(f"{func} (it needs a value from the workers)")
     mesh = remote[0]._mesh
     return send_value(mesh, op_path(func), args, kwargs, mesh.processes.offset).result()
 
 
+def _on_meta(value):
+    return tree_map(lambda x: meta_tensor(x._meta) if type(x) is Tensor else x, value)
+
+
 def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:
     """A copy of the local tensor ``data`` on every rank of ``mesh`` (``torch.tensor(python
     data)`` under a mesh, ``tdmesh.to_mesh(local, mesh)``): its bytes travel with the op."""
-    if data.layout is not torch.strided:
-        raise NotImplementedError(f"shipping a {data.layout} tensor to a mesh; make it dense first (.to_dense())"
-                                  f"\n  at {user_line()}")
     device = mesh.client.device
-    data = data.detach().to("cpu", copy=True).contiguous()  # its bytes travel; each worker copies to its device
-    meta = TensorMeta(tuple(data.shape), tuple(data.stride()), 0, data.dtype)
+    data = data.detach().to("cpu", copy=True)  # its bytes travel; each worker copies to its device
+    if data.layout is torch.strided:
+        data = data.contiguous()
+        meta: TensorMeta | SparseMeta = TensorMeta(tuple(data.shape), tuple(data.stride()), 0, data.dtype)
+    else:
+        meta = sparse_meta(data)
     stream = stream if stream is not None else get_active_stream()
 
     def build(seq, results, _mutated):

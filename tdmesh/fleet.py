@@ -218,6 +218,30 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
     return conns, hellos, gate
 
 
+class SerialProcesses:
+    """torch.distributed.elastic's process context, with its polls made one at a time.
+
+    Its ``wait`` iterates the set of running ranks that the same call shrinks, without a
+    lock; the client's reader thread (describing dead workers) and the thread that exits the
+    fleet both poll it, and two polls at once fail with "Set changed size during iteration".
+    """
+
+    def __init__(self, pcontext) -> None:
+        self._pcontext = pcontext
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: float = -1, period: float = 1):
+        with self._lock:
+            return self._pcontext.wait(timeout=timeout, period=period)
+
+    def close(self, *args, **kwargs):
+        with self._lock:
+            return self._pcontext.close(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._pcontext, name)
+
+
 class Fleet:
     """Owns a client and (for local meshes) the worker processes; ``exit`` is idempotent."""
 

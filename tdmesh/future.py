@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
@@ -101,7 +102,7 @@ class Future:
 
 def load_value(payload: bytes):
     """Unpickle a fetched value as local tensors, whatever mesh is active on the client."""
-    with _disable_current_modes():
+    with _disable_current_modes(), torch._C.DisableTorchFunction():  # no mesh's factory defaults either
         value = pickle.loads(payload)
         return tree_map(lambda x: m.unpack_tensor(x) if type(x) is m.PackedTensor else x, value,
                         is_leaf=lambda x: type(x) is m.PackedTensor)

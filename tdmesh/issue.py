@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from .propagation import TensorMeta
+from .propagation import SparseMeta, TensorMeta
 from .stream import Stream, get_active_stream
 from .tensor import AliasSet, Tensor
 
@@ -25,7 +25,7 @@ __all__ = ["New", "issue", "issue_message", "issue_unshaped", "adopt"]
 class New(NamedTuple):
     """An output the op creates: ``aliases`` names the storage it shares (a view), None a
     fresh one; ``stream``, ``device`` and ``mesh`` default to the op's own."""
-    meta: TensorMeta
+    meta: TensorMeta | SparseMeta
     aliases: AliasSet | None = None
     stream: Stream | None = None
     device: object = None
@@ -86,22 +86,24 @@ def issue(mesh, build: Callable, *, inputs: Sequence[Tensor] = (), outputs: Sequ
     return proxies
 
 
-def issue_unshaped(mesh, build: Callable, count: int, *, inputs: Sequence[Tensor] = (),
-                   mutated: Sequence[Tensor] = (), stream: Stream | None = None) -> list[int]:
-    """Issue an op whose output shapes only the data decides: its ``count`` result refs are
-    defined on the workers now; :func:`adopt` makes their proxies once the shapes are known."""
+def issue_unshaped(mesh, build: Callable, slots: Sequence[bool], *, inputs: Sequence[Tensor] = (),
+                   mutated: Sequence[Tensor] = (), stream: Stream | None = None) -> list[int | None]:
+    """Issue an op whose output metadata only the workers know: a result ref is defined now
+    for each output whose slot is True (None for outputs that are a written argument);
+    :func:`adopt` makes their proxies once the metadata is known."""
     client = mesh.client
     stream = stream if stream is not None else get_active_stream()
     with client.lock:
-        results = [client.new_ref() for _ in range(count)]
+        results = [client.new_ref() if slot else None for slot in slots]
         mutated_refs = [r for t in mutated for r in t._r.aliases.refs]
         seq = client.new_seq()
         msg = build(seq, tuple(results), tuple(mutated_refs))
-        client.sink.submit(mesh.rank_list, msg, seq, [t._r.id for t in inputs], results + mutated_refs, None, inputs)
+        client.sink.submit(mesh.rank_list, msg, seq, [t._r.id for t in inputs],
+                           [r for r in results if r is not None] + mutated_refs, None, inputs)
     return results
 
 
-def adopt(mesh, refs: Sequence[int], metas: Sequence[TensorMeta], device, stream: Stream) -> list[Tensor]:
+def adopt(mesh, refs: Sequence[int], metas: Sequence[TensorMeta | SparseMeta], device, stream: Stream) -> list[Tensor]:
     """The proxies of refs that :func:`issue_unshaped` defined, now that their shapes are known."""
     with mesh.client.lock:
         return [Tensor(meta, device, mesh, ref, AliasSet(), stream) for ref, meta in zip(refs, metas)]

@@ -26,7 +26,7 @@ from torch.distributed import TCPStore
 from .client import Client
 from .config import cpu_forced
 from .errors import UsageError
-from .fleet import Fleet, accept_workers, controller_host
+from .fleet import Fleet, SerialProcesses, accept_workers, controller_host
 from .mesh import DeviceMesh
 from .rendezvous import ATTACH, connect_store, proof, restart_count
 from .shape import Shape
@@ -95,9 +95,9 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
     # torch elastic installs SIGINT/SIGTERM handlers in the calling process and never puts
     # the user's back: keep Ctrl-C a KeyboardInterrupt for the client.
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    processes = start_processes(name="tdmesh-worker", entrypoint=sys.executable,
-                                args={r: ("-m", "tdmesh.worker", "--serve") for r in range(world)},
-                                envs=envs, logs_specs=specs)
+    processes = SerialProcesses(start_processes(name="tdmesh-worker", entrypoint=sys.executable,
+                                                args={r: ("-m", "tdmesh.worker", "--serve") for r in range(world)},
+                                                envs=envs, logs_specs=specs))
     if threading.current_thread() is threading.main_thread():
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .messages import describe_tensor
+
 _META = torch.device("meta")
 
 
@@ -20,6 +22,20 @@ class TensorMeta(NamedTuple):
     stride: tuple
     offset: int
     dtype: torch.dtype
+
+
+class SparseMeta(NamedTuple):
+    """What the client knows of a remote sparse tensor (COO, CSR, CSC, BSR, BSC): its
+    structure, without its indices or values.  Sparse proxies stand on a meta tensor of
+    exactly this structure (see :func:`meta_tensor`)."""
+    size: tuple
+    layout: torch.layout
+    dtype: torch.dtype
+    nnz: int
+    dense_dim: int
+    index_dtype: torch.dtype
+    blocksize: tuple             # (rows, cols) of a BSR/BSC block, else ()
+    coalesced: bool              # COO only: whether the indices are known to be unique and sorted
 
 
 class OpAliasing(NamedTuple):
@@ -67,22 +83,51 @@ def schema_arg(func, args: tuple, kwargs: dict, position: int):
     return kwargs.get(func._schema.arguments[position].name)
 
 
-def meta_tensor(meta: TensorMeta) -> torch.Tensor:
-    """An empty meta tensor with exactly this size, stride and storage offset."""
+def meta_tensor(meta: TensorMeta | SparseMeta) -> torch.Tensor:
+    """An empty meta tensor with exactly this size, stride and storage offset (or this
+    sparse structure)."""
+    if isinstance(meta, SparseMeta):
+        return _sparse_meta_tensor(meta)
     size, stride, offset, dtype = meta
     extent = offset + (1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0)
     base = torch.empty((extent,), dtype=dtype, device=_META)
     return base.as_strided(size, stride, offset)
 
 
-def tensor_meta(t: torch.Tensor) -> TensorMeta:
+def tensor_meta(t: torch.Tensor) -> TensorMeta | SparseMeta:
+    if t.layout is not torch.strided:
+        return sparse_meta(t)
     return TensorMeta(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
+
+
+def sparse_meta(t: torch.Tensor) -> SparseMeta:
+    """The structure of a sparse tensor (any device, meta included)."""
+    return SparseMeta(*describe_tensor(t))
+
+
+def _sparse_meta_tensor(s: SparseMeta) -> torch.Tensor:
+    size, n = s.size, s.nnz
+    if s.layout is torch.sparse_coo:
+        sparse_dim = len(size) - s.dense_dim
+        return torch.sparse_coo_tensor(torch.empty((sparse_dim, n), dtype=s.index_dtype, device=_META),
+                                       torch.empty((n, *size[sparse_dim:]), dtype=s.dtype, device=_META),
+                                       size, is_coalesced=s.coalesced, device=_META)
+    batch = size[:len(size) - s.dense_dim - 2]
+    rows, cols = size[len(batch):len(batch) + 2]
+    block_rows, block_cols = s.blocksize or (1, 1)
+    compressed = rows // block_rows if s.layout in (torch.sparse_csr, torch.sparse_bsr) else cols // block_cols
+    return torch.sparse_compressed_tensor(
+        torch.empty((*batch, compressed + 1), dtype=s.index_dtype, device=_META),
+        torch.empty((*batch, n), dtype=s.index_dtype, device=_META),
+        torch.empty((*batch, n, *s.blocksize, *size[len(batch) + 2:]), dtype=s.dtype, device=_META),
+        size, dtype=s.dtype, layout=s.layout, device=_META)
 
 
 class Propagated(NamedTuple):
     spec: Any                    # tree spec of the output
     leaves: tuple                # TensorMeta per tensor leaf, or ("value", v) for non-tensor leaves
     single: bool                 # the output is one tensor (no unflattening needed)
+    sparse: bool = False         # an output is sparse: its number of elements only the data decides
 
 
 _cache: dict = {}
@@ -104,7 +149,8 @@ def propagate(func, args: tuple, kwargs: dict, remote: list, key) -> Propagated:
     out = _run_on_meta(func, args, kwargs, {id(x): x._meta for x in remote})
     flat, out_spec = tree_flatten(out)
     leaves = tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else ("value", x) for x in flat)
-    result = Propagated(out_spec, leaves, out_spec.is_leaf() and isinstance(out, torch.Tensor))
+    result = Propagated(out_spec, leaves, out_spec.is_leaf() and isinstance(out, torch.Tensor),
+                        any(type(leaf) is SparseMeta for leaf in leaves))
     if key is not None and len(_cache) < 100_000:
         _cache[key] = result
     return result
@@ -136,6 +182,8 @@ def _run_on_fake(func, args, kwargs, leaf_metas):
 
     def to_fake(x):
         meta = leaf_metas.get(id(x))
+        if type(meta) is SparseMeta:
+            raise NotImplementedError("no fake sparse inputs")
         if meta is not None:
             return mode.from_tensor(torch.empty_strided(meta.size, meta.stride, dtype=meta.dtype))
         return x

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 import torch
 
 from .errors import PlacementError, UsageError, call_site
-from .propagation import TensorMeta
+from .propagation import SparseMeta, TensorMeta, meta_tensor
 from .stream import Stream
 
 __all__ = ["Tensor", "RefOwner", "AliasSet", "describe", "raise_in_op"]
@@ -65,16 +65,25 @@ class Tensor(torch.Tensor):
     """A tensor that lives on every worker of ``mesh``; its metadata is local, its data remote."""
 
     _r: RefOwner
-    _meta: TensorMeta
+    _meta: TensorMeta | SparseMeta
+    _device: torch.device  # sparse proxies only
     _mesh: Any
     _stream: Stream
     dispatch: Callable  # set by tdmesh.dispatch: (func, args, kwargs) -> the op's result proxies
 
     @staticmethod
-    def __new__(cls, meta: TensorMeta, device, mesh, ref_id: int, aliases: AliasSet, stream: Stream):
-        t = torch.Tensor._make_wrapper_subclass(cls, meta.size, strides=meta.stride,
-                                                storage_offset=meta.offset, dtype=meta.dtype,
-                                                device=device, requires_grad=False)
+    def __new__(cls, meta: TensorMeta | SparseMeta, device, mesh, ref_id: int, aliases: AliasSet, stream: Stream):
+        if isinstance(meta, SparseMeta):
+            # A wrapper cannot have a compressed layout: a sparse proxy is a meta tensor of the
+            # same structure, re-typed, whose device queries come to __torch_dispatch__.
+            device = torch.device(device)
+            t = torch.Tensor._make_subclass(cls, meta_tensor(meta), False, dispatch_device=True,
+                                            device_for_backend_keys=device)
+            t._device = device
+        else:
+            t = torch.Tensor._make_wrapper_subclass(cls, meta.size, strides=meta.stride,
+                                                    storage_offset=meta.offset, dtype=meta.dtype,
+                                                    device=device, requires_grad=False)
         t._r = RefOwner(ref_id, mesh, aliases)
         t._meta = meta
         t._mesh = mesh
@@ -105,7 +114,7 @@ class Tensor(torch.Tensor):
         return self._r.aliases
 
     @property
-    def meta(self) -> TensorMeta:
+    def meta(self) -> TensorMeta | SparseMeta:
         return self._meta
 
     @property

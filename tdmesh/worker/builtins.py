@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import messages as m
+
 
 def mesh_rank(mesh, dims) -> torch.Tensor:
     """This worker's coordinate along ``dims`` as an int64 scalar on its device."""
@@ -87,6 +89,12 @@ def profile_stop(directory: str, rank: int) -> torch.Tensor:
 
 
 def describe(values) -> list:
-    """``(size, stride, offset, dtype)`` of each tensor: the client learns the shapes of an
-    op's outputs that only the data decides (``nonzero``, ``unique``, boolean masks)."""
-    return [(tuple(t.shape), tuple(t.stride()), t.storage_offset(), str(t.dtype).split(".")[1]) for t in values]
+    """The metadata of each tensor (``messages.describe_tensor``): the client learns the
+    shapes of outputs that only the data decides (``nonzero``, ``unique``, boolean masks,
+    sparse results) or that torch cannot derive without running the op."""
+    return [m.describe_tensor(t) for t in values]
+
+
+def values_of(t: torch.Tensor):
+    """A tensor's values as Python numbers: arguments that torch reads on the host."""
+    return t.tolist()

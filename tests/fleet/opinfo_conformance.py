@@ -33,8 +33,11 @@ _RANDOM = ("bernoulli normal normal.number_mean rand rand_like randint randint_l
            "nn.functional.multi_head_attention_forward nn.functional.scaled_dot_product_attention "
            "svd_lowrank pca_lowrank").split()
 _UNINITIALISED = "empty empty_like new_empty new_empty_strided empty_strided empty_permuted".split()
+_ATTENTION = ("torch.ops.aten._efficient_attention_forward", "torch.ops.aten._flash_attention_forward")
 NOT_DETERMINISTIC = {**{op: "draws random numbers (the worker's generator is not the client's)" for op in _RANDOM},
-                     **{op: "returns uninitialised memory" for op in _UNINITIALISED}}
+                     **{op: "returns uninitialised memory" for op in _UNINITIALISED},
+                     **{op: "CUDA only: half its samples draw dropout masks, and without dropout its philox "
+                            "seed and offset (rng state) outputs are uninitialised" for op in _ATTENTION}}
 
 
 class Outcome(NamedTuple):

@@ -7,12 +7,8 @@ import torch
 
 from opinfo_conformance import conformance, summary
 
-# op -> why some of its samples cannot match yet
-KNOWN_FAILURES = {
-    "sparse.sampled_addmm": "sparse CSR inputs cannot be shipped to a mesh yet",
-    "sparse.mm.reduce": "sparse CSR inputs cannot be shipped to a mesh yet",
-    "tensor_split": "tensor_split(x, tensor_of_indices) reads the index tensor's memory on the client",
-}
+# op -> why some of its samples cannot match yet (none, at present, on CPU)
+KNOWN_FAILURES: dict[str, str] = {}
 
 
 def test_opinfo_samples_match_local_torch(mesh1, capsys):

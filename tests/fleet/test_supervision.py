@@ -452,3 +452,34 @@ def test_exit_after_a_device_exception_is_quick_and_leaves_nothing():
         mesh.exit()
         assert time.monotonic() - start < 5
         assert_no_worker_left(pids)
+
+
+def test_worker_processes_can_be_polled_from_several_threads_at_once(tmp_path):
+    """The client's reader thread and the exiting thread both poll the worker processes;
+    torch elastic's own poll is not thread-safe, so tdmesh serialises them."""
+    import threading
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    from tdmesh.fleet import SerialProcesses
+    n = 6
+    processes = SerialProcesses(start_processes(
+        name="poll-race", entrypoint=sys.executable,
+        args={r: ("-c", f"import time; time.sleep(0.05 * {r})") for r in range(n)},
+        envs={r: {} for r in range(n)}, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path))))
+    errors, results = [], []
+
+    def poll():
+        try:
+            while (result := processes.wait(timeout=0)) is None:
+                pass
+            results.append(result)
+        except Exception as e:  # noqa: BLE001 - any failure is the test's finding
+            errors.append(e)
+    threads = [threading.Thread(target=poll) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    processes.close()
+    assert not errors and len(results) == 4 and not results[0].is_failed()

@@ -229,12 +229,8 @@ def test_no_mesh_inside_a_gpu_mesh_stays_on_the_clients_device(tmp_path):
 
 # ----------------------------------------------------------------------------- OpInfo on CUDA workers
 CUDA_KNOWN_FAILURES = {
-    "sparse.sampled_addmm": "sparse CSR inputs cannot be shipped to a mesh yet",
-    "tensor_split": "tensor_split(x, tensor_of_indices) wants the indices on the CPU, and they are on the mesh",
-    "resize_": "growing a CUDA proxy in place: torch's resize_ meta kernel refuses a CUDA wrapper",
-    "torch.ops.aten._efficient_attention_forward": "it returns SymInts beside tensors, which would need a fetch",
-    "torch.ops.aten._flash_attention_forward": "its bfloat16 samples draw dropout masks",
-    "nn.functional.grid_sample": "cudnn_grid_sampler has no meta kernel: the client cannot derive its output shape",
+    "resize_": "growing a CUDA proxy in place: torch's resize_ kernel asserts a meta tensor when it updates the "
+               "proxy, so tdmesh refuses it (a clear error, before anything is sent)",
 }
 
 
@@ -246,3 +242,12 @@ def test_opinfo_samples_match_local_torch_on_cuda_workers(dtype, capsys):
         print(f"\nOpInfo conformance, cuda {dtype}: {summary(outcomes)}")
     new = sorted({f"{o.op}[{o.sample}]: {o.error}" for o in outcomes if o.error and o.op not in CUDA_KNOWN_FAILURES})
     assert not new, "ops that fail on CUDA workers and not locally:\n" + "\n".join(new)
+
+
+def test_resize_of_a_cuda_proxy_is_refused_before_anything_is_sent():
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh, mesh.activate():
+        x = torch.arange(4.0)
+        with pytest.raises(NotImplementedError, match=r"resize_.*nothing was sent.*new_empty") as err:
+            x.resize_(3, 3)
+        assert "test_gpu.py" in str(err.value)
+        assert x.shape == (4,) and tdmesh.fetch_shard(x * 2).result().tolist() == [0.0, 2.0, 4.0, 6.0]
