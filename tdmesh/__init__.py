@@ -17,6 +17,7 @@ from .fetch import fetch_all, fetch_shard, inspect, show
 from .future import Future, ValueMesh
 from .launcher import attach, local_mesh, local_meshes, restart_count, world_mesh
 from .mesh import DeviceMesh, RemoteProcessGroup
+from .optim import register_foreach_support  # noqa: F401 - registers tdmesh.Tensor with torch.optim
 from .profiling import profile
 from .recording import compile
 from .remote import Remote, call_on_shard_and_fetch, remote

@@ -76,6 +76,11 @@ OPTIMIZERS = {
     "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    "sgd_foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=True),
+    "sgd_fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adam_fused": lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, fused=True),
 }
 
 
@@ -112,6 +117,42 @@ def test_optimizer_steps_equal_local_steps(mesh2x2, name):
     for a, p, i in zip(after, local.parameters(), initial):
         assert not torch.equal(a, i)  # the steps did move the parameters
         assert torch.allclose(a, p.detach(), atol=1e-6)
+
+
+def test_optimizers_choose_foreach_and_fused_as_for_plain_tensors_of_the_device(mesh1):
+    """torch.optim defaults to foreach exactly for the device types it would for plain
+    tensors (CUDA: foreach; CPU: single-tensor), and fused=True is accepted."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    with mesh1.activate():
+        p = torch.zeros(3)
+    plain = torch.zeros(3, device=mesh1.device_type) if mesh1.device_type == "cpu" else None
+    chosen = _default_to_fused_or_foreach([p], differentiable=False, use_fused=False)
+    assert chosen == ((False, True) if mesh1.device_type == "cuda" else (False, False))
+    if plain is not None:
+        assert chosen == _default_to_fused_or_foreach([plain], differentiable=False, use_fused=False)
+    assert _default_to_fused_or_foreach([p], differentiable=False, use_fused=True) == (True, False)
+
+
+def _ops_per_step(mesh, make_opt, n_params: int) -> int:
+    with mesh.activate():
+        params = [torch.ones(4).requires_grad_() for _ in range(n_params)]
+        for q in params:
+            q.grad = torch.full((4,), 0.5)
+        opt = make_opt(params)
+        opt.step()  # the first step creates the state
+        before = mesh.client.last_seq
+        opt.step()
+        return mesh.client.last_seq - before
+
+
+# (AdamW's foreach path without capturable=True reads every step counter on the host, one
+# fetch per parameter per step, as torch's does for plain tensors; capturable needs CUDA: see tests/gpu)
+@pytest.mark.parametrize("name", ["sgd_foreach", "adam_fused", "adamw_fused", "sgd_fused"])
+def test_a_foreach_or_fused_step_is_a_few_remote_ops_whatever_the_number_of_parameters(mesh1, name):
+    few, many = _ops_per_step(mesh1, OPTIMIZERS[name], 2), _ops_per_step(mesh1, OPTIMIZERS[name], 12)
+    assert few == many and many <= 24, (few, many)
+    single = _ops_per_step(mesh1, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False), 12)
+    assert single >= 2 * 12 > many  # the single-tensor path: ops for every parameter
 
 
 def test_compiled_data_parallel_step_equals_local_steps(mesh2x2):
