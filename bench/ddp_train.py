@@ -1,7 +1,9 @@
 """The DDP baseline of bench/train_step.py: the same model and batches under torchrun + DDP.
 
-    torchrun --standalone --nproc_per_node 2 bench/ddp_train.py --steps 20 --size tiny
-Rank 0 prints one line: ``DDP_STEP_SECONDS <median seconds per step>``.
+    torchrun --standalone --nproc_per_node 2 bench/ddp_train.py --steps 20 --size tiny --dtype fp32
+Rank 0 prints ``DDP_STEP_SECONDS <median seconds per step> LOSS <final loss>``, then
+``PLAIN_OPS_PER_STEP <n>``: the aten ops one plain local step (the model without DDP, same
+optimizer) dispatches, counted by bench.helpers.OpCounter.
 """
 
 import argparse
@@ -16,13 +18,17 @@ import torch.distributed as dist
 from tdmesh.config import cpu_forced
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tutorials"))
-from nanogpt import GPT, GPTConfig, encode, get_batch  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.helpers import OpCounter  # noqa: E402
+
+from nanogpt import GPT, SIZES, get_batch, sized  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--size", default="tiny")
+    p.add_argument("--size", default="tiny", choices=SIZES)
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="bf16: autocast around the forward")
     p.add_argument("--batch-size", type=int, default=8)
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not cpu_forced()
@@ -31,8 +37,7 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
-    tokens, vocab = encode()
-    cfg = GPTConfig.small(len(vocab)) if args.size == "small" else GPTConfig.tiny(len(vocab))
+    cfg, tokens = sized(args.size)
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
@@ -45,7 +50,8 @@ def main() -> None:
         g.manual_seed(1000 * rank + step)
         x, y = get_batch(data, args.batch_size, cfg.block_size, g)
         start = time.perf_counter()
-        loss = ddp(x, y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+            loss = ddp(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -55,6 +61,13 @@ def main() -> None:
             times.append(time.perf_counter() - start)
     if rank == 0:
         print(f"DDP_STEP_SECONDS {statistics.median(times):.6f} LOSS {loss.item():.4f}", flush=True)
+        with OpCounter() as counted:  # one plain step: no DDP hooks, no collectives
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+                plain_loss = model(x, y)
+            opt.zero_grad(set_to_none=False)
+            plain_loss.backward()
+            opt.step()
+        print(f"PLAIN_OPS_PER_STEP {counted.ops}", flush=True)
     dist.destroy_process_group()
 
 

@@ -225,3 +225,29 @@ def graph_vs_eager(n: int, shape):
     replay = time.perf_counter() - t0
     assert torch.equal(out, torch.full(shape, float(n), device="cuda"))
     return torch.tensor([eager, replay], dtype=torch.float64, device="cuda")
+
+
+class OpCounter:
+    """Counts the aten ops dispatched while it is active (a TorchDispatchMode): the same counter
+    measures a plain local step and a step issued through a mesh (where it sits above the
+    mesh's own mode and sees every op the client turns into a message)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self.ops = 0
+        self._mode = _Mode()
+
+    def __enter__(self) -> OpCounter:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)

@@ -2,6 +2,7 @@
 
     python -m bench.train_step                          # 2 CPU workers, tiny model
     python -m bench.train_step --device cuda --size small --workers 2
+    python -m bench.train_step --device cuda --size gpt2 --dtype bf16 --batch-size 16
 
 Same model (tutorials/nanogpt.py), same initial weights, same per-rank batches, same
 optimizer, same number of workers, in one run: the DDP baseline runs under torchrun in a
@@ -10,6 +11,10 @@ timed as the average over ``--steps`` steps ending in one fetch (so the workers'
 included), eagerly (every op dispatched from this process) and as a ``tdmesh.compile``d step
 (one message per step after the first); DDP's as the median step (synchronised).  Gradients
 are averaged with one bucketed ``tdmesh.reduce_`` per step, as DDP buckets them.
+``--dtype bf16`` runs both forwards under ``torch.autocast(..., dtype=torch.bfloat16)``.
+Ops per step: the aten ops one eager tdmesh step issues and one plain local step (the model
+without DDP, in the baseline's process) dispatches, counted by the same ``OpCounter``; and
+the messages (ops with a sequence number: aten ops, collectives, remote calls) per step.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ sys.path.insert(0, os.path.join(ROOT, "tutorials"))
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--size", choices=("tiny", "small", "gpt2"), default="tiny")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8)
@@ -37,22 +43,22 @@ def main(argv=None) -> None:
         env["TDMESH_DEVICE"] = os.environ["TDMESH_DEVICE"] = "cpu"
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                           str(args.workers), os.path.join(ROOT, "bench", "ddp_train.py"), "--steps", str(args.steps),
-                          "--size", args.size, "--batch-size", str(args.batch_size)],
+                          "--size", args.size, "--dtype", args.dtype, "--batch-size", str(args.batch_size)],
                          capture_output=True, text=True, env=env, timeout=600)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("DDP_STEP_SECONDS")), None)
     if line is None:
         sys.exit("the DDP baseline failed:\n" + out.stderr[-3000:])
     ddp_s = float(line.split()[1])
+    plain_ops = int(next(ln for ln in out.stdout.splitlines() if ln.startswith("PLAIN_OPS_PER_STEP")).split()[1])
 
     import torch
 
     import tdmesh
+    from bench.helpers import OpCounter
 
-    from nanogpt import GPT, GPTConfig, encode
-    sys.path.insert(0, os.path.join(ROOT, "tutorials"))
+    from nanogpt import GPT, sized
     train = __import__("runpy").run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
-    tokens, vocab = encode()
-    cfg = GPTConfig.small(len(vocab)) if args.size == "small" else GPTConfig.tiny(len(vocab))
+    cfg, tokens = sized(args.size)
     batch = tdmesh.remote(train["seeded_batch"], propagate=lambda d, b, t, r, s: (
         torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
     with tdmesh.local_mesh(hosts=1, gpus_per_host=args.workers) as mesh, mesh.activate():
@@ -64,7 +70,8 @@ def main(argv=None) -> None:
         rank = mesh.rank(mesh.names)
 
         def step(x, y):
-            loss = model(x, y)
+            with torch.autocast(mesh.device_type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+                loss = model(x, y)
             opt.zero_grad(set_to_none=False)  # grads stay the same tensors: a compiled step reuses them
             loss.backward()
             tdmesh.reduce_([prm.grad for prm in model.parameters()], mesh.names, "avg")
@@ -84,16 +91,23 @@ def main(argv=None) -> None:
             loss = step(*batch(data, args.batch_size, cfg.block_size, rank, i))
         tdmesh.fetch_shard(loss).result()
         ours_s, final = timed(step, 3)
+        x, y = batch(data, args.batch_size, cfg.block_size, rank, 0)
+        first = mesh.client.last_seq
+        with OpCounter() as counted:
+            step(x, y)
+        messages = mesh.client.last_seq - first
         compiled_step(*batch(data, args.batch_size, cfg.block_size, rank, 3 + args.steps))  # traces it
         compiled_s, compiled_final = timed(compiled_step, 4 + args.steps)
-    print(f"\ntrain step, {args.size} GPT, {args.workers} {args.device} workers, batch {args.batch_size}/worker, "
-          f"torch {torch.__version__}")
+    print(f"\ntrain step, {args.size} GPT, {args.dtype}, {args.workers} {args.device} workers, "
+          f"batch {args.batch_size}/worker, torch {torch.__version__}")
     print(f"  torchrun DDP   : {ddp_s * 1e3:9.2f} ms/step   ({line.split('LOSS')[1].strip()} final loss)")
     print(f"  tdmesh         : {ours_s * 1e3:9.2f} ms/step   ({final:.4f} final loss)")
     print(f"  tdmesh compiled: {compiled_s * 1e3:9.2f} ms/step   ({compiled_final:.4f} final loss after "
           f"{args.steps + 1} more steps)")
     print(f"  DDP/tdmesh     : {ddp_s / ours_s:9.3f}x  (1.0 = as fast as DDP)")
     print(f"  DDP/compiled   : {ddp_s / compiled_s:9.3f}x")
+    print(f"  ops per step   : {counted.ops} issued by tdmesh, {plain_ops} in a plain local step "
+          f"({counted.ops / plain_ops:.2f}x); {messages} messages per tdmesh step")
 
 
 if __name__ == "__main__":

@@ -131,6 +131,8 @@ class Client:
                     self._queue_probe(seq)  # after the op itself: the probe must not overtake it
             if coalescing.depth():
                 coalescing.clients().add(self)
+                if self._buffered_bytes > _FLUSH_BYTES:  # a long block streams: the workers start on it
+                    self.flush()
             elif self._buffered_bytes > _FLUSH_BYTES or time.monotonic() - self._last_flush > _FLUSH_INTERVAL:
                 self.flush()
 

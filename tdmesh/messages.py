@@ -291,6 +291,35 @@ def pack_tensor(t):
                         ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
 
 
+class TorchGlobal(NamedTuple):
+    """A torch module attribute by name (``torch.preserve_format``): pickle finds a
+    ``torch.memory_format``'s module by scanning every loaded module (~0.1 ms a value, and
+    many ops carry one); this travels as a name and is looked up on arrival."""
+    name: str
+
+    def __reduce__(self):
+        return torch_global, (self.name,)
+
+
+def torch_global(name: str):
+    import torch
+    return getattr(torch, name)
+
+
+class DeviceName(NamedTuple):
+    """A ``torch.device`` as its name: its own pickle (a reduce through ``torch.device``)
+    costs several microseconds an op."""
+    name: str
+
+    def __reduce__(self):
+        return torch_device, (self.name,)
+
+
+def torch_device(name: str):
+    import torch
+    return torch.device(name)
+
+
 _COMPRESSED_INDEX = {"sparse_csr": "crow_indices", "sparse_bsr": "crow_indices",
                      "sparse_csc": "ccol_indices", "sparse_bsc": "ccol_indices"}
 

@@ -32,10 +32,26 @@ def to_wire(obj):
     if isinstance(obj, tuple):  # NamedTuples and torch.return_types (sort, topk, svd ...) keep their type
         items = [to_wire(x) for x in obj]
         return t(*items) if hasattr(obj, "_fields") else t(items)
+    if t is torch.memory_format or t is torch.layout:
+        return _TORCH_GLOBALS[obj]
+    if t is torch.device:
+        name = _device_names.get(obj)
+        if name is None:
+            name = _device_names[obj] = m.DeviceName(str(obj))
+        return name
     wire = getattr(obj, "_tdmesh_wire", None)
     if wire is not None:
         return wire()
     return obj
+
+
+# pickle finds a memory format's module by scanning all of sys.modules (~0.1 ms a value);
+# layouts and devices pickle through a reduce: all travel as names (see messages.TorchGlobal)
+_TORCH_GLOBALS = {getattr(torch, name): m.TorchGlobal(name) for name in (
+    "preserve_format", "contiguous_format", "channels_last", "channels_last_3d", "strided", "sparse_coo",
+    "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged")
+    if hasattr(torch, name)}
+_device_names: dict = {}
 
 
 def sealed_args(args: tuple, kwargs: dict) -> bytes:

@@ -19,7 +19,7 @@ import torch
 import tdmesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from nanogpt import GPT, GPTConfig, encode, get_batch  # noqa: E402
+from nanogpt import GPT, get_batch, sized  # noqa: E402
 
 
 def seeded_batch(data, batch_size: int, block_size: int, rank, step: int):
@@ -30,8 +30,7 @@ def seeded_batch(data, batch_size: int, block_size: int, rank, step: int):
 
 
 def train(mesh: tdmesh.DeviceMesh, steps: int, size: str, batch_size: int, lr: float) -> list[float]:
-    tokens, vocab = encode()
-    cfg = GPTConfig.small(len(vocab)) if size == "small" else GPTConfig.tiny(len(vocab))
+    cfg, tokens = sized(size)
     batch = tdmesh.remote(seeded_batch, propagate=lambda d, b, t, r, s: (
         torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
     losses = []

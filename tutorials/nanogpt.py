@@ -50,6 +50,28 @@ class GPTConfig:
         """nanoGPT's Shakespeare-char size: 6 layers, 6 heads, 384 wide, context 256."""
         return GPTConfig(vocab_size=vocab_size, block_size=256, n_layer=6, n_head=6, n_embd=384)
 
+    @staticmethod
+    def gpt2() -> GPTConfig:
+        """GPT-2 124M's shape: 12 layers, 12 heads, 768 wide, its vocabulary (padded to 50,304
+        as nanoGPT does), context 512."""
+        return GPTConfig(vocab_size=50304, block_size=512, n_layer=12, n_head=12, n_embd=768)
+
+
+SIZES = ("tiny", "small", "gpt2")
+
+
+def sized(size: str) -> tuple[GPTConfig, list[int]]:
+    """The config of a named size and its token stream.  tiny and small train on the
+    packaged corpus; gpt2's context and vocabulary outgrow it, so it gets a stream of
+    seeded random tokens (the same on every process that asks: the timing is GPT-2's, the
+    loss stays near ln(vocab))."""
+    if size == "gpt2":
+        cfg = GPTConfig.gpt2()
+        g = torch.Generator().manual_seed(0)
+        return cfg, torch.randint(cfg.vocab_size, (64 * cfg.block_size,), generator=g).tolist()
+    tokens, vocab = encode()
+    return (GPTConfig.small(len(vocab)) if size == "small" else GPTConfig.tiny(len(vocab))), tokens
+
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:

@@ -254,3 +254,50 @@ def test_training_tutorial_loss_goes_down():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     first, last = (float(v) for v in out.stdout.split("loss went from ")[1].split()[::2][:2])
     assert last < first
+
+
+class _OpNames:
+    """The aten ops dispatched while active (above a mesh's own mode when one is active)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        names = self.names = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                names.append(str(func))
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+
+
+def test_bf16_autocast_on_a_mesh_runs_the_ops_local_autocast_runs(mesh1):
+    """torch.autocast is applied on the client (the proxies carry their device's autocast key):
+    the workers get the same casts and bf16 ops a local autocast forward dispatches."""
+    device = mesh1.device_type
+
+    def forward_backward(model, x, y, recorder):
+        with recorder.mode, torch.autocast(device, dtype=torch.bfloat16):
+            out = model(x)
+            loss = F.mse_loss(out.float(), y)
+        loss.backward()
+        return out, loss
+
+    with mesh1.activate():
+        model = mlp()
+        initial = fetch_shard([p.detach() for p in model.parameters()]).result()
+        x, y = batch()
+        remote_ops = _OpNames()
+        out, loss = forward_backward(model, x, y, remote_ops)
+        got_out, got_grads = fetch_shard((out, [p.grad for p in model.parameters()])).result()
+    local = local_copy(initial)
+    if device == "cuda":
+        local = local.cuda()
+    with tdmesh.no_mesh.activate():
+        lx, ly = (t.to(device) for t in batch())
+        local_ops = _OpNames()
+        lout, _ = forward_backward(local, lx, ly, local_ops)
+    assert out.dtype == torch.bfloat16 and got_out.dtype == torch.bfloat16
+    assert remote_ops.names == local_ops.names and "aten._to_copy.default" in remote_ops.names
+    torch.testing.assert_close(got_out, lout.detach().cpu())
+    for g, p in zip(got_grads, local.parameters()):
+        torch.testing.assert_close(g, p.grad.cpu())

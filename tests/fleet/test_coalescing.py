@@ -35,6 +35,20 @@ def test_ops_stay_buffered_until_the_block_exits(mesh1):
     assert torch.equal(got, torch.full((3,), 10.0))
 
 
+def test_a_long_block_streams_in_batches_so_the_workers_start_before_it_ends(mesh1):
+    client = mesh1.client
+    with mesh1.activate():
+        x = torch.zeros(3)
+        n = 0
+        with tdmesh.coalescing():
+            while n < 20_000 and client.pending_messages() >= n:  # until a batch has gone out
+                x = x + 1
+                n += 1
+            assert client.pending_messages() < n
+        got = inspect(x)
+    assert n < 20_000 and torch.equal(got, torch.full((3,), float(n)))
+
+
 def test_nested_blocks_flush_once_when_the_outer_block_exits(mesh1):
     client = mesh1.client
     with mesh1.activate():

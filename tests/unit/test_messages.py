@@ -75,6 +75,8 @@ FIELDS = {
     m.MeshArg: ("shape",),
     m.ProcessGroupArg: ("ref", "mesh", "dims"),
     m.PackedTensor: ("dtype", "shape", "data"),
+    m.TorchGlobal: ("name",),
+    m.DeviceName: ("name",),
 }
 
 DEFAULTS = {
@@ -211,3 +213,16 @@ def test_ref_fields_name_real_fields_of_client_messages():
                   if any(f in cls._fields for f in ("results", "result", "tensor", "tensors", "refs", "actuals",
                                                     "borrow", "mutates"))}
     assert holds_refs == set(m.REF_FIELDS)
+
+
+# ----------------------------------------------------------------- torch values by name
+@pytest.mark.parametrize("value", [torch.preserve_format, torch.channels_last, torch.strided, torch.sparse_csr,
+                                   torch.device("cpu"), torch.device("cuda", 1)], ids=str)
+def test_torch_values_travel_by_name_and_arrive_as_themselves(value):
+    from tdmesh.wire import to_wire
+    sent = to_wire({"v": value})["v"]
+    assert type(sent) in (m.TorchGlobal, m.DeviceName)
+    arrived = pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
+    assert arrived == value and type(arrived) is type(value)
+    if not isinstance(value, torch.device):
+        assert arrived is value  # the singleton itself
