@@ -22,7 +22,7 @@ from .errors import UsageError, user_line
 from .fetch import send_value
 from .issue import New, issue
 from .placement import check_inputs, check_mutation
-from .propagation import SparseMeta, TensorMeta, meta_tensor, op_aliasing, propagate, schema_arg, sparse_meta
+from .propagation import TensorMeta, meta_tensor, op_aliasing, propagate, schema_arg, tensor_meta
 from .stream import get_active_stream
 from .tensor import Tensor, describe, raise_in_op
 from .unshaped import data_dependent, dispatch_unshaped, no_kernel
@@ -256,9 +256,7 @@ def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:
     data = data.detach().to("cpu", copy=True)  # its bytes travel; each worker copies to its device
     if data.layout is torch.strided:
         data = data.contiguous()
-        meta: TensorMeta | SparseMeta = TensorMeta(tuple(data.shape), tuple(data.stride()), 0, data.dtype)
-    else:
-        meta = sparse_meta(data)
+    meta = tensor_meta(data)
     stream = stream if stream is not None else get_active_stream()
 
     def build(seq, results, _mutated):

@@ -100,6 +100,11 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta | SparseMeta:
     return TensorMeta(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
 
 
+def from_description(description: tuple) -> TensorMeta | SparseMeta:
+    """The metadata a worker's ``messages.describe_tensor`` sent."""
+    return SparseMeta(*description) if isinstance(description[1], torch.layout) else TensorMeta(*description)
+
+
 def sparse_meta(t: torch.Tensor) -> SparseMeta:
     """The structure of a sparse tensor (any device, meta included)."""
     return SparseMeta(*describe_tensor(t))

@@ -9,14 +9,12 @@ indices) get that argument's values the same way (:func:`host_values`).
 
 from __future__ import annotations
 
-import torch
-
 from . import messages as m
 from ._coalescing import check_not_coalescing
 from .errors import user_line
 from .fetch import send_value
 from .issue import adopt, issue_unshaped
-from .propagation import SparseMeta, TensorMeta, op_aliasing, schema_arg
+from .propagation import SparseMeta, from_description, op_aliasing, schema_arg
 from .stream import get_active_stream
 from .tensor import Tensor, describe
 from .wire import op_path, to_wire
@@ -66,7 +64,7 @@ def dispatch_unshaped(func, args, kwargs, remote, mesh, device, why: str):
                          f"function, or use a fixed-size form (nonzero_static(size=...), "
                          f"repeat_interleave(output_size=...), masked_fill instead of boolean indexing)"
                          f"\n  at {user_line()}")
-    metas = [SparseMeta(*d) if isinstance(d[1], torch.layout) else TensorMeta(*d) for d in first]
+    metas = [from_description(d) for d in first]
     for t, meta in zip(mutated, metas[len(new_refs):]):
         if t._meta != meta:
             if type(meta) is not SparseMeta:

@@ -84,34 +84,29 @@ OPTIMIZERS = {
 }
 
 
+def _three_steps(model, opt, x, y) -> list:
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_optimizer_steps_equal_local_steps(mesh2x2, name):
     make_opt = OPTIMIZERS[name]
-    losses = []
     with mesh2x2.activate():
         model = mlp()
         initial = fetch_shard([p.detach() for p in model.parameters()]).result()
-        opt = make_opt(model.parameters())
-        x, y = batch()
-        for _ in range(3):
-            opt.zero_grad()
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
+        losses = _three_steps(model, make_opt(model.parameters()), *batch())
         after, remote_losses = fetch_shard(([p.detach() for p in model.parameters()], losses), host=1, gpu=1).result()
 
     local = local_copy(initial)
     with tdmesh.no_mesh.activate():
-        lopt = make_opt(local.parameters())
-        lx, ly = batch()
-        local_losses = []
-        for _ in range(3):
-            lopt.zero_grad()
-            lloss = F.mse_loss(local(lx), ly)
-            lloss.backward()
-            lopt.step()
-            local_losses.append(lloss.detach())
+        local_losses = _three_steps(local, make_opt(local.parameters()), *batch())
     for r, expected in zip(remote_losses, local_losses):
         assert torch.allclose(r, expected, atol=1e-6)
     for a, p, i in zip(after, local.parameters(), initial):
