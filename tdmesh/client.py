@@ -62,6 +62,7 @@ class Client:
         self._last_flush = time.monotonic()
         self._deletes: dict[object, tuple] = {}   # ranks slice -> (mesh, [refs])
         self._groups: dict = {}                   # CreateGroups key -> id, for keys already sent
+        self.op_numbers: dict = {}                # OpPlan -> this client's number for it (DefineOp sent)
         self.sink = self                          # where issued ops go: a Recorder while tracing
         self.history = History(self.ranks)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -120,7 +121,7 @@ class Client:
                 self._queue_deletes()
             if seq is not None:
                 self.history.add(seq, uses, defs, call_site(), future)
-            data = encode(msg)
+            data = encode(tuple(msg) if type(msg) is m.CallOp else msg)  # a CallOp travels as a bare tuple
             buffers = self._buffers
             for r in ranks:
                 buffers[r].append(data)
@@ -191,6 +192,13 @@ class Client:
                     found = self._groups[key] = len(self._groups) + 1
                     self.send_setup(m.CreateGroups(kind, stream, mesh, dims, ref, to_stream, found))
         return found
+
+    def define_op(self, plan) -> int:
+        """Number an op plan and define it on every rank (before any CallOp names it)."""
+        with self.lock:
+            number = self.op_numbers[plan] = len(self.op_numbers) + 1
+            self.send_setup(m.DefineOp(number, plan.path, plan.args, plan.kwargs))
+        return number
 
     def delete_ref(self, ref: int, mesh) -> None:
         """Called when a proxy dies (any thread): batched into the next flush."""

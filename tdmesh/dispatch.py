@@ -20,9 +20,10 @@ from ._coalescing import check_not_coalescing
 from ._context import active_mesh_or_none
 from .errors import UsageError, user_line
 from .fetch import send_value
-from .issue import New, issue
+from .issue import New, issue, issue_op
 from .placement import check_inputs, check_mutation
-from .propagation import TensorMeta, meta_tensor, op_aliasing, propagate, schema_arg, tensor_meta
+from .plan import MAX_PLANS, PLANS, OpPlan, make_plan, outputs_of
+from .propagation import TensorMeta, meta_tensor, op_aliasing, propagate, tensor_meta
 from .stream import get_active_stream
 from .tensor import Tensor, describe, raise_in_op
 from .unshaped import data_dependent, dispatch_unshaped, no_kernel
@@ -79,10 +80,20 @@ def _scan(obj, remote: list, local: list):
 
 def dispatch(func, args: tuple, kwargs: dict):
     """Turn one aten call into a remote op and return its result proxies."""
-    name = func._schema.name
     remote: list = []
     local: list = []
-    key = (_scan(args, remote, local), _scan(kwargs, remote, local) if kwargs else None)
+    key = (func, _scan(args, remote, local), _scan(kwargs, remote, local) if kwargs else None)
+    if not local:
+        try:
+            plan = PLANS.get(key)
+        except TypeError:  # an unhashable argument: never planned
+            plan = None
+        if plan is not None:  # the hot path: this op with this argument metadata was seen before
+            mesh = remote[0]._mesh if remote else active_mesh_or_none()
+            if mesh is not None and mesh.client is not None:
+                check_inputs(remote, mesh, func)
+                return _issue_plan(plan, remote, mesh, _op_device(remote, kwargs, mesh.client))
+    name = func._schema.name
     if remote:
         mesh = remote[0]._mesh
         if name in _NEEDS_VALUE or _returns_python_value(func):
@@ -112,17 +123,25 @@ def dispatch(func, args: tuple, kwargs: dict):
     return _dispatch_remote(func, args, kwargs, key, remote, mesh, client)
 
 
-def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
+def _op_device(remote: list, kwargs: dict, client) -> torch.device:
     if remote:
-        device = remote[0].device
-    else:
-        device = kwargs.get("device")
-        if device is None:
-            device = client.device
-        else:
-            device = torch.device(device)
-            if device.type == client.device.type:  # "cuda" means the worker's own GPU: one index
-                device = client.device
+        return remote[0].device
+    device = kwargs.get("device")
+    if device is None:
+        return client.device
+    device = torch.device(device)
+    return client.device if device.type == client.device.type else device  # "cuda": the worker's own GPU
+
+
+def _issue_plan(plan: OpPlan, remote: list, mesh, device):
+    for slot in plan.mutated:
+        check_mutation(remote[slot], plan.func)
+    proxies = issue_op(mesh, plan, remote, device, get_active_stream())
+    return proxies[0] if plan.single else tree_unflatten(proxies, plan.spec)
+
+
+def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
+    device = _op_device(remote, kwargs, client)
     try:
         out = propagate(func, args, kwargs, remote, key)
     except Exception as e:  # noqa: BLE001 - re-raised, with the user's line
@@ -139,49 +158,35 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
     if out.sparse:  # meta kernels cannot know how many elements a sparse result holds
         return dispatch_unshaped(func, args, kwargs, remote, mesh, device, "it makes a sparse tensor")
     aliasing = op_aliasing(func)
-    mutated: list = []
-    for position in aliasing.mutated_args:
-        target = schema_arg(func, args, kwargs, position)
-        for t in (target if isinstance(target, (list, tuple)) else (target,)):
-            if type(t) is Tensor:
-                check_mutation(t, func)
-                mutated.append(t)
-    outputs: list = []
-    restrides: list = []  # (proxy, its new metadata) for in-place view ops: squeeze_, t_, as_strided_ ...
-    values: list = []  # (output position, the Python value propagation gave it)
-    for leaf, (source, is_write) in zip(out.leaves, _leaf_sources(aliasing, out, func, args, kwargs)):
-        if type(leaf) is tuple and leaf and leaf[0] == "value":
-            # None: an optional output the op did not produce (e.g. a grad).  A number beside
-            # tensors (the max sequence lengths of _efficient_attention_forward) comes from
-            # the shapes and arguments alone (a meta kernel has no data): the client has it.
-            outputs.append(None)
-            if leaf[1] is not None:
-                values.append((len(outputs) - 1, leaf[1]))
-            continue
-        if is_write and type(source) is Tensor:
-            if source._meta != leaf:
-                if torch.Tag.inplace_view not in func.tags:
-                    raise NotImplementedError(f"{func} changes the shape or strides of a remote tensor in place; "
-                                              f"use its out-of-place form\n  at {user_line()}")
-                restrides.append((source, leaf))
-            outputs.append(source)  # in-place / out=: the result is the argument itself
-            continue
-        outputs.append(New(leaf, source._r.aliases if type(source) is Tensor else None))
+    try:
+        plan = make_plan(func, args, kwargs, out, aliasing, _leaf_positions(aliasing, out), len(remote))
+    except NotImplementedError as e:
+        raise NotImplementedError(f"{e}\n  at {user_line()}") from None
+    if plan.reusable and len(PLANS) < MAX_PLANS:
+        try:
+            PLANS[key] = plan
+        except TypeError:  # an unhashable argument: sent whole
+            pass
+        else:
+            return _issue_plan(plan, remote, mesh, device)
+    # sent whole: an op whose tensors are not all slots, an in-place view op, a full plan cache
+    for slot in plan.mutated:
+        check_mutation(remote[slot], func)
+    outputs, values = outputs_of(plan, remote)
     stream = get_active_stream()
-    path = op_path(func)
+    path = plan.path
 
     def build(seq, results, mutated_refs):
         return m.CallFunction(seq, results, mutated_refs, path, to_wire(args), to_wire(kwargs) if kwargs else {},
                               stream.id)
 
-    for proxy, meta in restrides:  # before anything is sent: a refusal leaves both sides as they were
-        _restride(func, args, kwargs, proxy, meta)
-    proxies = issue(mesh, build, inputs=remote, outputs=outputs, mutated=mutated, device=device, stream=stream)
+    for slot, meta in plan.restrides:  # before anything is sent: a refusal leaves both sides as they were
+        _restride(func, args, kwargs, remote[slot], meta)
+    proxies = issue(mesh, build, inputs=remote, outputs=outputs, mutated=[remote[s] for s in plan.mutated],
+                    device=device, stream=stream)
     for position, value in values:
         proxies[position] = value
-    if out.single:
-        return proxies[0]
-    return tree_unflatten(proxies, out.spec)
+    return proxies[0] if out.single else tree_unflatten(proxies, out.spec)
 
 
 def _restride(func, args, kwargs, proxy: Tensor, meta: TensorMeta) -> None:
@@ -206,16 +211,16 @@ def _restride(func, args, kwargs, proxy: Tensor, meta: TensorMeta) -> None:
     proxy._meta = meta
 
 
-def _leaf_sources(aliasing, out, func, args, kwargs):
-    """For each output leaf: (the argument it aliases or None, whether it is written)."""
+def _leaf_positions(aliasing, out) -> list[tuple[int | None, bool]]:
+    """For each output leaf: (the schema position of the argument it aliases or None,
+    whether the op writes it)."""
     returns = aliasing.return_aliases
     n = len(out.leaves)
     if len(returns) == 1 and (returns[0][2] or n == 1):
         source, is_write, _ = returns[0]
-        value = schema_arg(func, args, kwargs, source) if source is not None else None
-        return [(value, is_write)] * n
+        return [(source, is_write)] * n
     if len(returns) == n:
-        return [((schema_arg(func, args, kwargs, s) if s is not None else None), w) for s, w, _ in returns]
+        return [(s, w) for s, w, _ in returns]
     return [(None, False)] * n
 
 

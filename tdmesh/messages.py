@@ -33,6 +33,35 @@ class CallFunction(NamedTuple):
     process_groups: tuple[ProcessGroupArg, ...] = ()  # created, in order, before it runs
 
 
+class Slot(NamedTuple):
+    """In a DefineOp template: where the ref at ``position`` of each CallOp's refs goes."""
+    position: int
+
+
+class DefineOp(NamedTuple):
+    """Sent to every rank once per op plan (an aten op and its argument metadata): ``op``
+    is the client's number for ``function(*args, **kwargs)``, where ``Slot``s mark the
+    tensors.  The worker turns it into straight-line code once; CallOps then name it."""
+    op: int
+    function: str             # an import path (aten or library op)
+    args: tuple
+    kwargs: dict
+
+
+class CallOp(NamedTuple):
+    """Run defined op ``op`` with ``refs`` in its slots; bind and poison as CallFunction.
+
+    The hot message of eager dispatch, so it travels as a bare tuple of ints (pickling a
+    NamedTuple costs ~1.3 us more, a fifth of an op's budget): the worker's ``handle``
+    takes a plain tuple of this length as a CallOp, and recordings hold it as this record."""
+    seq: int
+    op: int
+    results: tuple[int | None, ...]
+    mutates: tuple[int, ...]
+    refs: tuple[int, ...]
+    stream: int = 0
+
+
 class SendValue(NamedTuple):
     """Send ``function(*args, **kwargs)`` (or ``args[0]`` with no function) back as a FetchResult."""
     seq: int
@@ -226,9 +255,9 @@ class DependentError(NamedTuple):
     seq: int
 
 
-CLIENT_TO_WORKER = (CallFunction, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups, DefineRecording,
-                    CallRecording, BorrowCreate, BorrowFirstUse, BorrowLastUse, BorrowDrop, DeleteRefs, RequestStatus,
-                    Supervise, Detach, Exit)
+CLIENT_TO_WORKER = (CallFunction, DefineOp, CallOp, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups,
+                    DefineRecording, CallRecording, BorrowCreate, BorrowFirstUse, BorrowLastUse, BorrowDrop, DeleteRefs,
+                    RequestStatus, Supervise, Detach, Exit)
 WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status)
 
 # Which fields of a client->worker message hold refs, and how:
@@ -239,6 +268,7 @@ WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerF
 # The seq (first field, where there is one) is the op's own.  Messages not listed hold no refs.
 REF_FIELDS: dict[Any, dict[str, str]] = {  # NamedTuple message class -> {field: kind}
     CallFunction: {"results": "defs", "mutates": "uses", "args": "args", "kwargs": "args"},
+    CallOp: {"results": "defs", "mutates": "uses", "refs": "uses"},
     SendValue: {"mutates": "uses", "args": "args", "kwargs": "args"},
     Reduce: {"result": "def", "tensor": "use", "out": "use"},
     ReduceMany: {"tensors": "uses"},

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .messages import describe_tensor
@@ -87,7 +88,8 @@ def meta_tensor(meta: TensorMeta | SparseMeta) -> torch.Tensor:
     """An empty meta tensor with exactly this size, stride and storage offset (or this
     sparse structure)."""
     if isinstance(meta, SparseMeta):
-        return _sparse_meta_tensor(meta)
+        with no_dispatch():  # a sparse proxy is made outside dispatch too: these stay local
+            return _sparse_meta_tensor(meta)
     size, stride, offset, dtype = meta
     extent = offset + (1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0)
     base = torch.empty((extent,), dtype=dtype, device=_META)
@@ -141,9 +143,9 @@ stats = {"hits": 0, "misses": 0}
 
 def propagate(func, args: tuple, kwargs: dict, remote: list, key) -> Propagated:
     """Run ``func`` on meta stand-ins for the ``remote`` proxies among its arguments;
-    ``key`` describes the arguments' structure, metadata and values (for the cache)."""
+    ``key`` names ``func`` and describes the arguments' structure, metadata and values (for
+    the cache)."""
     try:
-        key = (func, key)
         hit = _cache.get(key)
     except TypeError:  # an unhashable argument: propagate without caching
         key, hit = None, None

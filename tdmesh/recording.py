@@ -164,7 +164,7 @@ class _Recording:
         for _, msg, uses, defs in self.messages:
             used.extend(uses)
             defined.extend(defs)
-            if type(msg) is m.CallFunction:
+            if type(msg) is m.CallFunction or type(msg) is m.CallOp:
                 mutated.extend(msg.mutates)
         self.defined = set(defined) - set(self.formals)
         formal_set = set(self.formals)

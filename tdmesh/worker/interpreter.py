@@ -24,11 +24,13 @@ from . import collectives
 from .functions import resolve
 from .groups import Groups
 from .mesh import WorkerMesh
+from .ops import DefinedOp, slot_values
 from .recordings import Recordings
 from .streams import Stream
 from .values import BorrowSlot, DependentOnError, DeviceBroken, Poison, device_is_broken, event_on, to_fetchable, unseal
 
 log = logging.getLogger("tdmesh.worker")
+_CALL_OP_FIELDS = len(m.CallOp._fields)
 
 
 class Interpreter:
@@ -55,6 +57,7 @@ class Interpreter:
         self.groups = Groups(rank, world_size)
         self.borrows: dict[int, BorrowSlot] = {}
         self.recordings = Recordings()
+        self.ops: dict[int, DefinedOp] = {}
         self.caused_error = False
         self.fatal: BaseException | None = None
         self.exit_request: m.Exit | m.Detach | None = None
@@ -87,12 +90,20 @@ class Interpreter:
     def handle(self, msg) -> None:
         handler = self._handlers.get(type(msg))
         if handler is None:
+            if type(msg) is tuple and len(msg) == _CALL_OP_FIELDS:  # a CallOp travels as a bare tuple
+                return self.CallOp(msg)
             raise ProtocolViolation(f"worker {self.rank} got an unknown message {type(msg).__name__}: {msg!r}")
         handler(msg)
 
     # handlers: named after the messages they handle
     def CallFunction(self, msg: m.CallFunction) -> None:
         self.stream(msg.stream).submit(self._call_function, msg)
+
+    def DefineOp(self, msg: m.DefineOp) -> None:
+        self.ops[msg.op] = DefinedOp(msg, self.device)  # a new client's numbers replace an old one's
+
+    def CallOp(self, msg: m.CallOp | tuple) -> None:
+        self.stream(msg[5]).submit(self._call_op, msg)
 
     def SendValue(self, msg: m.SendValue) -> None:
         self.stream(msg.stream).submit(self._send_value, msg)
@@ -192,6 +203,22 @@ class Interpreter:
             raise  # a broken message, not a failing user function: the worker stops
         except Exception as e:  # noqa: BLE001 - whatever the user's function raises is its failure
             self._fail(env, msg.seq, msg.results, msg.mutates, e, msg.function)
+
+    def _call_op(self, msg: m.CallOp | tuple, stream: Stream) -> None:
+        seq, op_id, results, mutates, refs, _ = msg
+        env = stream.env
+        op = self.ops.get(op_id)
+        if op is None or op.slots != len(refs):
+            raise ProtocolViolation(f"op {op_id} is not defined on worker {self.rank}" if op is None else
+                                    f"op {op_id} ({op.function}) takes {op.slots} refs, got {len(refs)}")
+        try:
+            self._bind(env, results, op.run(slot_values(env, refs, stream.id, self.rank)))
+        except DependentOnError as e:
+            self._poison(env, results, mutates, e.poison)
+        except ProtocolViolation:
+            raise
+        except Exception as e:  # noqa: BLE001 - the op's own failure
+            self._fail(env, seq, results, mutates, e, op.function)
 
     def _send_value(self, msg: m.SendValue, stream: Stream) -> None:
         env = stream.env

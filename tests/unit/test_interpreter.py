@@ -715,3 +715,73 @@ def test_each_root_failure_is_reported_exactly_once(ops):
         else:
             assert got == want
     assert interp.caused_error is bool(expected_reports)
+
+
+# ----------------------------------------------------------------------------- defined ops (DefineOp / CallOp)
+ADD = "torch.ops.aten.add.Tensor"
+S = m.Slot
+
+
+def test_a_defined_op_runs_with_its_refs_in_the_slots_and_constants_bound():
+    interp, sent = make()
+    interp.handle(call(0, [0], ONES, [3]))
+    interp.handle(call(1, [1], "torch.ops.aten.full.default", [3], 4.0))
+    interp.handle(m.DefineOp(1, ADD, (S(0),), {"other": S(1), "alpha": 2}))
+    interp.handle(m.CallOp(2, 1, (2,), (), (0, 1)))
+    interp.handle(tuple(m.CallOp(3, 1, (3,), (), (1, 0))))  # the wire form: a bare tuple
+    assert sent == []
+    assert torch.equal(interp.env[2], torch.full((3,), 9.0))
+    assert torch.equal(interp.env[3], torch.full((3,), 6.0))
+
+
+def test_a_defined_op_takes_lists_of_slots_and_writes_in_place():
+    interp, sent = make()
+    for ref in (0, 1):
+        interp.handle(call(ref, [ref], ONES, [2]))
+    interp.handle(m.DefineOp(1, "torch.ops.aten.stack.default", ([S(0), S(1), S(0)],), {}))
+    interp.handle(m.CallOp(2, 1, (2,), (), (0, 1)))
+    assert interp.env[2].shape == (3, 2)
+    interp.handle(m.DefineOp(2, "torch.ops.aten._foreach_add_.Scalar", ([S(0), S(1)], 2.0), {}))
+    interp.handle(m.CallOp(3, 2, (), (0, 1), (0, 1)))
+    assert sent == []
+    assert torch.equal(interp.env[0], torch.full((2,), 3.0)) and torch.equal(interp.env[1], torch.full((2,), 3.0))
+
+
+def test_a_defined_op_with_a_device_constant_uses_the_workers_device():
+    interp, sent = make(device=torch.device("cuda", 3))
+    interp.handle(m.DefineOp(1, pickled(identity), ((torch.device("cuda:0"), S(0)),), {}))
+    interp.env[5] = 7
+    interp.handle(m.CallOp(0, 1, (6, 7), (), (5,)))
+    assert sent == [] and interp.env[6] == torch.device("cuda", 3) and interp.env[7] == 7
+    cpu, sent = make()  # inside constant keyword arguments too; on a CPU worker "meta"/"cuda" mean the CPU
+    cpu.handle(m.DefineOp(1, "torch.ops.aten.empty.memory_format", ([2],), {"device": torch.device("meta")}))
+    cpu.handle(m.CallOp(0, 1, (1,), (), ()))
+    assert sent == [] and cpu.env[1].device == torch.device("cpu")
+
+
+def test_a_defined_op_poisons_like_a_call_function():
+    interp, sent = make()
+    interp.handle(call(0, [0], MISSING))
+    interp.env[1] = torch.ones(2)
+    interp.handle(m.DefineOp(1, ADD, (S(0), S(1)), {}))
+    interp.handle(m.CallOp(1, 1, (2,), (1,), (1, 0)))  # depends on the failed ref 0: no second report
+    assert [f.seq for f in failures(sent)] == [0]
+    assert interp.env[2] is interp.env[0] and interp.env[1] is interp.env[0]
+    interp.handle(m.DefineOp(2, MISSING, (S(0),), {}))  # an unresolvable op fails each call, reported once each
+    interp.env[3] = torch.ones(2)
+    interp.handle(m.CallOp(2, 2, (4,), (), (3,)))
+    assert [f.seq for f in failures(sent)] == [0, 2] and "failed to resolve function" in sent[-1].message
+    assert isinstance(interp.env[4], Poison)
+
+
+@pytest.mark.parametrize("msg, needle", [
+    (m.CallOp(0, 9, (1,), (), (0,)), "op 9 is not defined"),
+    (m.CallOp(0, 1, (1,), (), (0, 0)), "takes 1 refs, got 2"),
+    (m.CallOp(0, 1, (1,), (), (5,)), "ref 5 is not defined"),
+])
+def test_a_broken_call_op_is_a_protocol_violation(msg, needle):
+    interp, _ = make()
+    interp.env[0] = torch.ones(1)
+    interp.handle(m.DefineOp(1, ADD, (S(0), S(0)), {}))
+    with pytest.raises(ProtocolViolation, match=needle):
+        interp.handle(msg)

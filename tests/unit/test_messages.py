@@ -17,6 +17,8 @@ SAMPLES = {
     m.CallFunction: m.CallFunction(3, (4, None, 5), (6,), "torch.ops.aten.add.Tensor",
                                    (m.Ref(4), 2.5, [m.Ref(6)], m.ProcessGroupArg(9, HG, ("gpu",))),
                                    {"alpha": 2}, stream=1, process_groups=(m.ProcessGroupArg(9, HG, ("gpu",)),)),
+    m.DefineOp: m.DefineOp(4, "torch.ops.aten.add.Tensor", (m.Slot(0), [m.Slot(1), 2.5]), {"alpha": 2}),
+    m.CallOp: m.CallOp(5, 4, (7, None), (3,), (1, 2), stream=1),
     m.SendValue: m.SendValue(7, (8,), b"\x80\x05pickled-callable", (m.Ref(8), m.MeshArg(HG)), {"k": (1, 2)},
                              stream=2, process_groups=()),
     m.Reduce: m.Reduce(8, 20, 4, ((2, 3), "float32"), 3, "sum", True, False, None, stream=1),
@@ -48,6 +50,9 @@ SAMPLES = {
 FIELDS = {
     m.Ref: ("id",),
     m.CallFunction: ("seq", "results", "mutates", "function", "args", "kwargs", "stream", "process_groups"),
+    m.Slot: ("position",),
+    m.DefineOp: ("op", "function", "args", "kwargs"),
+    m.CallOp: ("seq", "op", "results", "mutates", "refs", "stream"),
     m.SendValue: ("seq", "mutates", "function", "args", "kwargs", "stream", "process_groups"),
     m.Reduce: ("seq", "result", "tensor", "factory", "group", "reduction", "scatter", "inplace", "out", "stream"),
     m.ReduceMany: ("seq", "tensors", "factories", "group", "reduction", "stream"),
@@ -81,6 +86,7 @@ FIELDS = {
 
 DEFAULTS = {
     m.CallFunction: {"stream": 0, "process_groups": ()},
+    m.CallOp: {"stream": 0},
     m.SendValue: {"stream": 0, "process_groups": ()},
     m.Reduce: {"stream": 0},
     m.ReduceMany: {"stream": 0},
@@ -91,9 +97,9 @@ DEFAULTS = {
 
 
 def test_direction_tables_are_exactly_the_documented_records():
-    assert m.CLIENT_TO_WORKER == (m.CallFunction, m.SendValue, m.Reduce, m.ReduceMany, m.SendTensor, m.CreateGroups,
-                                  m.DefineRecording, m.CallRecording, m.BorrowCreate, m.BorrowFirstUse,
-                                  m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs, m.RequestStatus,
+    assert m.CLIENT_TO_WORKER == (m.CallFunction, m.DefineOp, m.CallOp, m.SendValue, m.Reduce, m.ReduceMany,
+                                  m.SendTensor, m.CreateGroups, m.DefineRecording, m.CallRecording, m.BorrowCreate,
+                                  m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs, m.RequestStatus,
                                   m.Supervise, m.Detach, m.Exit)
     assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.WorkerFailed,
                                   m.Status)
@@ -141,6 +147,15 @@ def test_nested_records_keep_their_types():
     assert type(back.args[2][0]) is m.Ref
     back = pickle.loads(pickle.dumps(SAMPLES[m.FetchResult]))
     assert type(back.error) is m.DependentError and back.error.seq == 10
+
+
+def test_a_call_op_travels_as_a_bare_tuple_of_builtins():
+    """The eager hot path's message: its wire form is the plain tuple (no class to pickle)."""
+    msg = SAMPLES[m.CallOp]
+    payload = pickle.dumps(tuple(msg), protocol=pickle.HIGHEST_PROTOCOL)
+    assert b"tdmesh" not in payload
+    assert m.CallOp._make(pickle.loads(payload)) == msg
+    assert len(payload) < len(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def test_defaults_apply_when_omitted():

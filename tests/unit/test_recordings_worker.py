@@ -208,3 +208,24 @@ def test_a_borrow_inside_gets_a_fresh_id_per_call():
     assert interp.borrows == {}
     assert not any(ref < 0 for s in interp.streams.values() for ref in s.env)
     assert sent == []
+
+
+def test_call_ops_in_a_recording_are_renamed_like_call_functions():
+    """A recording holds the CallOps of eager dispatch; their refs are renamed per call."""
+    interp, sent = make()
+    interp.handle(m.DefineOp(1, MUL, (m.Slot(0), m.Slot(1)), {}))
+    interp.handle(m.DefineOp(2, CLONE, (m.Slot(0),), {}))
+    swap = (m.CallOp(0, 1, (12,), (), (1, 1)), m.CallOp(0, 2, (10,), (), (2,)), m.CallOp(0, 2, (11,), (), (12,)))
+    interp.handle(define(1, swap, (1, 2), (10, 11)))
+    interp.env[100] = torch.full((2,), 3.0)
+    interp.env[101] = torch.ones(2)
+    interp.handle(m.CallRecording(7, 1, (100, 101), (200, 201)))
+    assert sent == []
+    assert torch.equal(interp.env[200], torch.ones(2)) and torch.equal(interp.env[201], torch.full((2,), 9.0))
+    assert set(interp.env) == {100, 101, 200, 201}  # the temporary (12's rename) was deleted
+
+
+def test_a_define_op_is_not_allowed_inside_a_recording():
+    interp, _ = make()
+    with pytest.raises(ProtocolViolation, match="DefineOp is not allowed inside a recording"):
+        interp.handle(define(1, (m.DefineOp(1, MUL, (m.Slot(0),), {}),)))

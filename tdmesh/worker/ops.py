@@ -1,0 +1,100 @@
+"""Defined ops: a DefineOp template compiled once into a function of its slot values.
+
+The client sends each (aten op, argument metadata) pair once as a template, with ``Slot``s
+where the tensors go; every later CallOp names it by number and carries only refs.  The
+template becomes one line of generated Python (``fn(v[0], 2, [v[1], v[2]], **{...})``),
+so a call does no walk over its arguments: the constants are bound at definition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import messages as m
+from ..errors import ProtocolViolation
+from .functions import resolve
+from .values import DependentOnError, Poison
+
+
+class DefinedOp:
+    """One DefineOp on this worker: ``run(values)`` calls the op with ``values`` in its slots."""
+    __slots__ = ("function", "run", "slots")
+
+    def __init__(self, msg: m.DefineOp, device: torch.device) -> None:
+        self.function = msg.function
+        consts: dict[str, Any] = {}
+        slots: set[int] = set()
+
+        def expr(obj) -> str:
+            t = type(obj)
+            if t is m.Slot:
+                slots.add(obj.position)
+                return f"v[{obj.position}]"
+            if (t is tuple or t is list) and _holds_slot(obj):
+                items = "".join(expr(x) + ", " for x in obj)
+                return f"({items})" if t is tuple else f"[{items}]"
+            if t is dict and _holds_slot(obj):
+                return "{" + "".join(f"{k!r}: {expr(x)}, " for k, x in obj.items()) + "}"
+            name = f"c{len(consts)}"
+            consts[name] = obj
+            return name
+
+        args = "".join(expr(a) + ", " for a in _on_device(msg.args, device))
+        kwargs = f"**{expr(_on_device(msg.kwargs, device))}" if msg.kwargs else ""
+        try:
+            consts["fn"] = resolve(msg.function)
+        except Exception as e:  # noqa: BLE001 - every call of the op fails with it, as CallFunction's would
+            self.run: Callable[[list], Any] = _raiser(e)
+        else:
+            source = f"def run(v):\n    return fn({args}{kwargs})\n"
+            exec(compile(source, f"<tdmesh op {msg.op}: {msg.function}>", "exec"), consts)  # noqa: S102
+            self.run = consts["run"]
+        self.slots = len(slots)
+
+
+def _on_device(obj, device: torch.device):
+    """The template with its accelerator devices made this worker's ("cuda" means its own GPU;
+    on a CPU worker, the CPU), as ``Interpreter._resolve`` does for CallFunction."""
+    t = type(obj)
+    if t is torch.device:
+        return device if obj.type != "cpu" else obj
+    if t is tuple or t is list:
+        return t(_on_device(x, device) for x in obj)
+    if t is dict:
+        return {k: _on_device(x, device) for k, x in obj.items()}
+    return obj
+
+
+def _holds_slot(obj) -> bool:
+    t = type(obj)
+    if t is m.Slot:
+        return True
+    if t is tuple or t is list:
+        return any(_holds_slot(x) for x in obj)
+    if t is dict:
+        return any(_holds_slot(x) for x in obj.values())
+    return False
+
+
+def _raiser(error: Exception) -> Callable[[list], Any]:
+    def run(values: list) -> Any:
+        raise error
+    return run
+
+
+def slot_values(env: dict, refs: tuple, stream: int, rank: int) -> list:
+    """The values of a CallOp's refs: a poisoned one raises DependentOnError (the op poisons
+    its results without running), a missing one is a broken message."""
+    try:
+        values = [env[r] for r in refs]
+    except KeyError:
+        missing = next(r for r in refs if r not in env)
+        raise ProtocolViolation(f"ref {missing} is not defined on stream {stream} of worker {rank}: "
+                                f"it was deleted or never created") from None
+    for value in values:
+        if type(value) is Poison:
+            raise DependentOnError(value)
+    return values
