@@ -19,7 +19,7 @@ from tdmesh.config import cpu_forced
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tutorials"))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.helpers import OpCounter  # noqa: E402
+from bench.helpers import OpCounter, count_kernels  # noqa: E402
 
 from nanogpt import GPT, SIZES, get_batch, sized  # noqa: E402
 
@@ -68,6 +68,21 @@ def main() -> None:
             plain_loss.backward()
             opt.step()
         print(f"PLAIN_OPS_PER_STEP {counted.ops}", flush=True)
+    if cuda:  # kernels of one DDP step (forward, backward with its all-reduces, optimizer), every rank in it
+        import tempfile
+
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+                loss = ddp(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            torch.cuda.synchronize()
+        if rank == 0:
+            path = os.path.join(tempfile.mkdtemp(), "ddp.trace.json")
+            prof.export_chrome_trace(path)
+            print(f"DDP_KERNELS_PER_STEP {count_kernels(path)}", flush=True)
     dist.destroy_process_group()
 
 

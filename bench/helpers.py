@@ -251,3 +251,12 @@ class OpCounter:
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
+
+
+def count_kernels(trace_path: str) -> int:
+    """GPU kernels in a torch.profiler Chrome trace (events of category ``kernel``): the same
+    count for a DDP step's trace and a tdmesh worker's (``tdmesh.profile``)."""
+    import json
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    return sum(1 for e in events if e.get("cat") == "kernel")

@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     import torch
 
     import tdmesh
-    from bench.helpers import OpCounter
+    from bench.helpers import OpCounter, count_kernels
 
     from nanogpt import GPT, sized
     train = __import__("runpy").run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
@@ -96,6 +96,12 @@ def main(argv=None) -> None:
         with OpCounter() as counted:
             step(x, y)
         messages = mesh.client.last_seq - first
+        kernels = None
+        if mesh.device_type == "cuda":  # one eager step under torch.profiler on every worker
+            import tempfile
+            with tdmesh.profile(tempfile.mkdtemp()) as traces:
+                step(x, y)
+            kernels = count_kernels(os.path.join(traces, "rank0.trace.json"))
         compiled_step(*batch(data, args.batch_size, cfg.block_size, rank, 3 + args.steps))  # traces it
         compiled_s, compiled_final = timed(compiled_step, 4 + args.steps)
     print(f"\ntrain step, {args.size} GPT, {args.dtype}, {args.workers} {args.device} workers, "
@@ -108,6 +114,10 @@ def main(argv=None) -> None:
     print(f"  DDP/compiled   : {ddp_s / compiled_s:9.3f}x")
     print(f"  ops per step   : {counted.ops} issued by tdmesh, {plain_ops} in a plain local step "
           f"({counted.ops / plain_ops:.2f}x); {messages} messages per tdmesh step")
+    if kernels is not None:
+        ddp_kernels = next((ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("DDP_KERNELS_PER_STEP")),
+                           "?")
+        print(f"  kernels/step   : {kernels} on tdmesh rank 0 (eager), {ddp_kernels} on DDP rank 0")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ of its own beyond the client's.
 from __future__ import annotations
 
 import logging
+import pickle
 import queue
 import selectors
 import threading
@@ -34,6 +35,9 @@ from .transport import Connection, encode
 log = logging.getLogger("tdmesh")
 
 _FLUSH_BYTES = 256 * 1024
+_dumps = pickle.dumps  # transport.encode, without the call: submit runs once per op
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_monotonic = time.monotonic
 _FLUSH_INTERVAL = 0.002
 
 
@@ -60,7 +64,7 @@ class Client:
         self._buffers: dict[int, list[bytes]] = {r: [] for r in self.ranks}
         self._buffered_bytes = 0
         self._last_flush = time.monotonic()
-        self._deletes: dict[object, tuple] = {}   # ranks slice -> (mesh, [refs])
+        self._deletes: dict[object, tuple] = {}   # mesh -> (mesh, [refs]): DeviceMesh hashes by identity
         self._groups: dict = {}                   # CreateGroups key -> id, for keys already sent
         self.op_numbers: dict = {}                # OpPlan -> this client's number for it (DefineOp sent)
         self.sink = self                          # where issued ops go: a Recorder while tracing
@@ -73,6 +77,7 @@ class Client:
         self.supervision = supervision or SupervisionParams.from_env()
         self.controller = controller or ControllerParams.from_env()
         self._ops_since_probe = 0
+        self._probe_every = self.controller.ops_per_progress_request
         self.supervisor = Supervisor(self, self.supervision, self.controller, process_failure)
         self._reader = threading.Thread(target=self._read_loop, name="tdmesh-reader", daemon=True)
         self._reader.start()
@@ -116,25 +121,27 @@ class Client:
         ids are never reused, so a late free is safe); ``deletes_first`` sends them first.
         ``inputs`` and ``outputs`` (the proxies the op read and made) matter to a recorder only."""
         with self.lock:
-            self.check_usable()
+            if self.failure is not None or self.closed:
+                self.check_usable()
             if deletes_first and self._deletes:
                 self._queue_deletes()
             if seq is not None:
                 self.history.add(seq, uses, defs, call_site(), future)
-            data = encode(tuple(msg) if type(msg) is m.CallOp else msg)  # a CallOp travels as a bare tuple
+            # a CallOp travels as a bare tuple (see messages.CallOp)
+            data = _dumps(tuple(msg) if type(msg) is m.CallOp else msg, _PROTOCOL)
             buffers = self._buffers
             for r in ranks:
                 buffers[r].append(data)
             self._buffered_bytes += len(data)
             if seq is not None:
                 self._ops_since_probe += 1
-                if self._ops_since_probe >= self.controller.ops_per_progress_request:
+                if self._ops_since_probe >= self._probe_every:
                     self._queue_probe(seq)  # after the op itself: the probe must not overtake it
             if coalescing.depth():
                 coalescing.clients().add(self)
                 if self._buffered_bytes > _FLUSH_BYTES:  # a long block streams: the workers start on it
                     self.flush()
-            elif self._buffered_bytes > _FLUSH_BYTES or time.monotonic() - self._last_flush > _FLUSH_INTERVAL:
+            elif self._buffered_bytes > _FLUSH_BYTES or _monotonic() - self._last_flush > _FLUSH_INTERVAL:
                 self.flush()
 
     def send_setup(self, msg, ranks=None) -> None:
@@ -204,9 +211,9 @@ class Client:
         """Called when a proxy dies (any thread): batched into the next flush."""
         if self.closed:
             return
-        entry = self._deletes.get(mesh.processes)
+        entry = self._deletes.get(mesh)
         if entry is None:
-            entry = self._deletes.setdefault(mesh.processes, (mesh, []))
+            entry = self._deletes.setdefault(mesh, (mesh, []))
         entry[1].append(ref)
 
     def delete_refs(self, refs, mesh) -> None:

@@ -82,7 +82,14 @@ def dispatch(func, args: tuple, kwargs: dict):
     """Turn one aten call into a remote op and return its result proxies."""
     remote: list = []
     local: list = []
-    key = (func, _scan(args, remote, local), _scan(kwargs, remote, local) if kwargs else None)
+    parts: list = []
+    for x in args:  # _scan(args), with its commonest leaf inline: this runs for every op
+        if type(x) is Tensor:
+            remote.append(x)
+            parts.append(x._meta)
+        else:
+            parts.append(_scan(x, remote, local))
+    key = (func, (tuple, tuple(parts)), _scan(kwargs, remote, local) if kwargs else None)
     if not local:
         try:
             plan = PLANS.get(key)
@@ -91,8 +98,9 @@ def dispatch(func, args: tuple, kwargs: dict):
         if plan is not None:  # the hot path: this op with this argument metadata was seen before
             mesh = remote[0]._mesh if remote else active_mesh_or_none()
             if mesh is not None and mesh.client is not None:
-                check_inputs(remote, mesh, func)
-                return _issue_plan(plan, remote, mesh, _op_device(remote, kwargs, mesh.client))
+                stream = get_active_stream()
+                check_inputs(remote, mesh, func, stream)
+                return _issue_plan(plan, remote, mesh, _op_device(remote, kwargs, mesh.client), stream)
     name = func._schema.name
     if remote:
         mesh = remote[0]._mesh
@@ -133,10 +141,10 @@ def _op_device(remote: list, kwargs: dict, client) -> torch.device:
     return client.device if device.type == client.device.type else device  # "cuda": the worker's own GPU
 
 
-def _issue_plan(plan: OpPlan, remote: list, mesh, device):
+def _issue_plan(plan: OpPlan, remote: list, mesh, device, stream):
     for slot in plan.mutated:
         check_mutation(remote[slot], plan.func)
-    proxies = issue_op(mesh, plan, remote, device, get_active_stream())
+    proxies = issue_op(mesh, plan, remote, device, stream)
     return proxies[0] if plan.single else tree_unflatten(proxies, plan.spec)
 
 
@@ -168,7 +176,7 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
         except TypeError:  # an unhashable argument: sent whole
             pass
         else:
-            return _issue_plan(plan, remote, mesh, device)
+            return _issue_plan(plan, remote, mesh, device, get_active_stream())
     # sent whole: an op whose tensors are not all slots, an in-place view op, a full plan cache
     for slot in plan.mutated:
         check_mutation(remote[slot], func)

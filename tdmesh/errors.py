@@ -124,23 +124,54 @@ _SKIP = (os.path.dirname(os.path.abspath(__file__)) + os.sep, _dir_of("torch"), 
          os.path.dirname(os.__file__) + os.sep + "contextlib")
 
 
-def call_site() -> list[tuple[str, int, str]]:
-    """(filename, lineno, name) of the user's innermost frames: cheap enough for every op."""
+_skipped: dict = {}  # code object -> whether its frames are tdmesh's or torch's (not the user's)
+
+
+def _skip(code) -> bool:
+    skip = _skipped.get(code)
+    if skip is None:
+        if len(_skipped) > 50_000:  # generated code (exec in a loop) must not grow it for ever
+            _skipped.clear()
+        skip = _skipped[code] = code.co_filename.startswith(_SKIP)
+    return skip
+
+
+def call_site() -> list:
+    """The user's innermost frames, as (code object, last instruction) pairs: cheap enough
+    for every op (the line numbers are worked out only when an error names the site)."""
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP):
+    skipped = _skipped
+    while frame is not None:
+        skip = skipped.get(frame.f_code)
+        if skip is None:
+            skip = _skip(frame.f_code)
+        if not skip:
+            break
         frame = frame.f_back
-    site: list[tuple[str, int, str]] = []
+    site: list = []
     while frame is not None and len(site) < 6:
-        site.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        site.append((frame.f_code, frame.f_lasti))
         frame = frame.f_back
     return site
+
+
+def _entries(site) -> list[tuple[str, int, str]]:
+    """(filename, lineno, name) per frame of a site (captured, or given in that form)."""
+    out = []
+    for entry in site or ():
+        if len(entry) == 2:
+            code, lasti = entry
+            lineno = next((line for start, end, line in code.co_lines() if start <= lasti < end), None)
+            entry = (code.co_filename, lineno if lineno is not None else code.co_firstlineno, code.co_name)
+        out.append(entry)
+    return out
 
 
 def site_text(site) -> str:
     """The innermost user frame of a captured call site, as a traceback line."""
     if not site:
         return "<unknown>"
-    filename, lineno, name = site[0]
+    filename, lineno, name = _entries(site[:1])[0]
     return f'File "{filename}", line {lineno}, in {name}'
 
 
@@ -151,4 +182,4 @@ def user_line() -> str:
 
 def frames(site) -> list[traceback.FrameSummary]:
     """A captured call site as traceback frames, outermost first."""
-    return [traceback.FrameSummary(f, n, name) for f, n, name in reversed(site or [])]
+    return [traceback.FrameSummary(f, n, name) for f, n, name in reversed(_entries(site))]

@@ -18,7 +18,9 @@ from typing import NamedTuple
 from .messages import CallOp
 from .propagation import SparseMeta, TensorMeta
 from .stream import Stream, get_active_stream
-from .tensor import AliasSet, Tensor
+from .tensor import AliasSet, Tensor, new_proxy
+
+_tuple_new = tuple.__new__  # a NamedTuple from its values without its Python-level __new__
 
 __all__ = ["New", "issue", "issue_op", "issue_message", "issue_unshaped", "adopt"]
 
@@ -99,23 +101,27 @@ def issue_op(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> li
         proxies: list = []
         results: list = []
         made: list = []
+        defs: list = []
         for kind, value, slot in plan.outputs:
             if kind == 0:  # plan.NEW: a new proxy, viewing the storage of slot's tensor if slot >= 0
                 ref = client.new_ref()
-                proxy = Tensor(value, device, mesh, ref, remote[slot]._r.aliases if slot >= 0 else AliasSet(), stream)
+                proxy = new_proxy(value, device, mesh, ref, remote[slot]._r.aliases if slot >= 0 else AliasSet(),
+                                  stream)
                 proxies.append(proxy)
                 made.append(proxy)
                 results.append(ref)
+                defs.append(ref)
             else:  # the written argument itself (ARG), or a Python value (VALUE)
                 proxies.append(remote[value] if kind == 1 else value)
                 results.append(None)
         refs = [t._r.id for t in remote]
-        defs = [t._r.id for t in made]
-        mutated_refs = [r for slot in plan.mutated for r in remote[slot]._r.aliases.refs] if plan.mutated else []
-        defs.extend(mutated_refs)
+        mutated_refs: tuple = ()
+        if plan.mutated:
+            mutated_refs = tuple([r for slot in plan.mutated for r in remote[slot]._r.aliases.refs])
+            defs.extend(mutated_refs)
         seq = client.new_seq()
-        client.sink.submit(mesh.rank_list, CallOp(seq, op, tuple(results), tuple(mutated_refs), tuple(refs), stream.id),
-                           seq, refs, defs, None, remote, False, made)
+        msg = _tuple_new(CallOp, (seq, op, tuple(results), mutated_refs, tuple(refs), stream.id))
+        client.sink.submit(mesh.rank_list, msg, seq, refs, defs, None, remote, False, made)
     return proxies
 
 

@@ -20,7 +20,7 @@ from .errors import PlacementError, UsageError, call_site
 from .propagation import SparseMeta, TensorMeta, meta_tensor
 from .stream import Stream
 
-__all__ = ["Tensor", "RefOwner", "AliasSet", "describe", "raise_in_op"]
+__all__ = ["Tensor", "RefOwner", "AliasSet", "new_proxy", "describe", "raise_in_op"]
 
 
 class RefOwner:
@@ -73,17 +73,14 @@ class Tensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, meta: TensorMeta | SparseMeta, device, mesh, ref_id: int, aliases: AliasSet, stream: Stream):
-        if isinstance(meta, SparseMeta):
-            # A wrapper cannot have a compressed layout: a sparse proxy is a meta tensor of the
-            # same structure, re-typed, whose device queries come to __torch_dispatch__.
-            device = torch.device(device)
-            t = torch.Tensor._make_subclass(cls, meta_tensor(meta), False, dispatch_device=True,
-                                            device_for_backend_keys=device)
-            t._device = device
-        else:
-            t = torch.Tensor._make_wrapper_subclass(cls, meta.size, strides=meta.stride,
-                                                    storage_offset=meta.offset, dtype=meta.dtype,
-                                                    device=device, requires_grad=False)
+        if not isinstance(meta, SparseMeta):
+            return new_proxy(meta, device, mesh, ref_id, aliases, stream)
+        # A wrapper cannot have a compressed layout: a sparse proxy is a meta tensor of the
+        # same structure, re-typed, whose device queries come to __torch_dispatch__.
+        device = torch.device(device)
+        t = torch.Tensor._make_subclass(cls, meta_tensor(meta), False, dispatch_device=True,
+                                        device_for_backend_keys=device)
+        t._device = device
         t._r = RefOwner(ref_id, mesh, aliases)
         t._meta = meta
         t._mesh = mesh
@@ -140,6 +137,20 @@ class Tensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         raise UsageError("a tdmesh.Tensor cannot be pickled: its data lives on the workers; "
                          "fetch it with tdmesh.fetch_shard(t).result()")
+
+
+_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def new_proxy(meta: TensorMeta, device, mesh, ref_id: int, aliases: AliasSet, stream: Stream) -> Tensor:
+    """``Tensor(meta, ...)`` for dense metadata: what eager dispatch makes for every result."""
+    t = _wrapper(Tensor, meta.size, strides=meta.stride, storage_offset=meta.offset, dtype=meta.dtype, device=device,
+                 requires_grad=False)
+    t._r = RefOwner(ref_id, mesh, aliases)
+    t._meta = meta
+    t._mesh = mesh
+    t._stream = stream
+    return t
 
 
 def describe(t) -> str:
