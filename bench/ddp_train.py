@@ -39,7 +39,8 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     cfg, tokens = sized(args.size)
     torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+    with torch.device(device):  # initialised where tdmesh's workers initialise theirs: same generator, same weights
+        model = GPT(cfg)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     opt = (torch.optim.AdamW(model.parameters(), lr=3e-3, capturable=True) if cuda
            else torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9))
@@ -59,15 +60,8 @@ def main() -> None:
             torch.cuda.synchronize()
         if step >= 3:
             times.append(time.perf_counter() - start)
-    if rank == 0:
-        print(f"DDP_STEP_SECONDS {statistics.median(times):.6f} LOSS {loss.item():.4f}", flush=True)
-        with OpCounter() as counted:  # one plain step: no DDP hooks, no collectives
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-                plain_loss = model(x, y)
-            opt.zero_grad(set_to_none=False)
-            plain_loss.backward()
-            opt.step()
-        print(f"PLAIN_OPS_PER_STEP {counted.ops}", flush=True)
+    final_loss = loss.item()  # the steps the tdmesh run also takes (the profiled step below is one more)
+    # before the plain step below: calling the wrapped model directly fires DDP's gradient hooks
     if cuda:  # kernels of one DDP step (forward, backward with its all-reduces, optimizer), every rank in it
         import tempfile
 
@@ -83,6 +77,15 @@ def main() -> None:
             path = os.path.join(tempfile.mkdtemp(), "ddp.trace.json")
             prof.export_chrome_trace(path)
             print(f"DDP_KERNELS_PER_STEP {count_kernels(path)}", flush=True)
+    if rank == 0:
+        print(f"DDP_STEP_SECONDS {statistics.median(times):.6f} LOSS {final_loss:.4f}", flush=True)
+        with OpCounter() as counted:  # one plain step: no DDP hooks, no collectives
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+                plain_loss = model(x, y)
+            opt.zero_grad(set_to_none=False)
+            plain_loss.backward()
+            opt.step()
+        print(f"PLAIN_OPS_PER_STEP {counted.ops}", flush=True)
     dist.destroy_process_group()
 
 

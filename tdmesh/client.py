@@ -115,18 +115,19 @@ class Client:
             raise UsageError("this mesh has exited; its tensors can no longer be used")
 
     def submit(self, ranks, msg, seq: int | None = None, uses=(), defs=(), future: Future | None = None,
-               inputs=(), deletes_first: bool = False, outputs=()) -> None:
+               inputs=(), deletes_first: bool = False, outputs=(), site=None) -> None:
         """The sink's one method: record op ``seq`` (if any) in the history and queue ``msg``
         for ``ranks``.  Frees of dead proxies are batched into one DeleteRefs per flush (ref
         ids are never reused, so a late free is safe); ``deletes_first`` sends them first.
-        ``inputs`` and ``outputs`` (the proxies the op read and made) matter to a recorder only."""
+        ``inputs`` and ``outputs`` (the proxies the op read and made) matter to a recorder only;
+        ``site`` is the user's call site where the caller has it (else it is captured here)."""
         with self.lock:
             if self.failure is not None or self.closed:
                 self.check_usable()
             if deletes_first and self._deletes:
                 self._queue_deletes()
             if seq is not None:
-                self.history.add(seq, uses, defs, call_site(), future)
+                self.history.add(seq, uses, defs, site if site is not None else call_site(), future)
             # a CallOp travels as a bare tuple (see messages.CallOp)
             data = _dumps(tuple(msg) if type(msg) is m.CallOp else msg, _PROTOCOL)
             buffers = self._buffers

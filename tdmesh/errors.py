@@ -136,10 +136,12 @@ def _skip(code) -> bool:
     return skip
 
 
-def call_site() -> list:
+def call_site(skip: int = 0) -> list:
     """The user's innermost frames, as (code object, last instruction) pairs: cheap enough
-    for every op (the line numbers are worked out only when an error names the site)."""
-    frame: FrameType | None = sys._getframe(1)
+    for every op (the line numbers are worked out only when an error names the site).
+    ``skip``: how many frames above the caller are tdmesh's for sure (``sys._getframe``
+    passes over them without making frame objects, which walking ``f_back`` does)."""
+    frame: FrameType | None = sys._getframe(1 + skip)
     skipped = _skipped
     while frame is not None:
         skip = skipped.get(frame.f_code)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+from .errors import call_site
 from .messages import CallOp
 from .propagation import SparseMeta, TensorMeta
 from .stream import Stream, get_active_stream
@@ -121,7 +122,9 @@ def issue_op(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> li
             defs.extend(mutated_refs)
         seq = client.new_seq()
         msg = _tuple_new(CallOp, (seq, op, tuple(results), mutated_refs, tuple(refs), stream.id))
-        client.sink.submit(mesh.rank_list, msg, seq, refs, defs, None, remote, False, made)
+        # the site from here: issue_op <- _issue_plan <- dispatch (or _dispatch_remote) <- the mode's or Tensor's
+        # __torch_dispatch__ are tdmesh's frames on every path
+        client.sink.submit(mesh.rank_list, msg, seq, refs, defs, None, remote, False, made, call_site(3))
     return proxies
 
 

@@ -44,7 +44,7 @@ class Recorder:
         self.seen: dict[int, Tensor] = {}  # every tensor an op read while tracing, by ref
 
     def submit(self, ranks, msg, seq=None, uses=(), defs=(), future=None, inputs=(), deletes_first=False,
-               outputs=()) -> None:
+               outputs=(), site=None) -> None:
         if type(msg) in (m.SendValue, m.RequestStatus):
             raise NotImplementedError("NYI: fetching values inside a compiled function; return the tensor and "
                                       "fetch it after the call")
