@@ -144,10 +144,10 @@ def call_site(skip: int = 0) -> list:
     frame: FrameType | None = sys._getframe(1 + skip)
     skipped = _skipped
     while frame is not None:
-        skip = skipped.get(frame.f_code)
-        if skip is None:
-            skip = _skip(frame.f_code)
-        if not skip:
+        tdmesh_or_torch = skipped.get(frame.f_code)
+        if tdmesh_or_torch is None:
+            tdmesh_or_torch = _skip(frame.f_code)
+        if not tdmesh_or_torch:
             break
         frame = frame.f_back
     site: list = []
