@@ -4,8 +4,8 @@
     python -m bench.client_profile --device cuda        # GPU workers
 
 Two loops run on a 1-worker mesh: ``x = ones + x`` (bench.dispatch's loop) and the tiny GPT's
-training step (forward, backward, bucketed reduce, SGD / capturable AdamW).  Each is timed
-without a profiler first (best of ``--repeats``), then once under cProfile; the profile's
+training step (forward, backward, bucketed reduce, ``bench.helpers.train_optimizer``).  Each is
+timed without a profiler first (best of ``--repeats``), then once under cProfile; the profile's
 own time per function (``tottime``) is scaled by (time without profiler / time with it), so
 the table reads as microseconds per op of an unprofiled run.  cProfile slows Python calls
 more than C work, so the table overstates Python-heavy rows and understates C ones: read it
@@ -31,6 +31,8 @@ import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.helpers import train_optimizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUPS = (("call site", ("errors.py",)), ("send", ("client.py", "history.py", "transport.py")),
@@ -115,8 +117,7 @@ def main(argv=None) -> None:
         tdmesh.random.set_manual_seed_remote(0)
         cfg, _ = sized("tiny")
         model = GPT(cfg)
-        opt = (torch.optim.AdamW(model.parameters(), lr=3e-3, capturable=True) if mesh.device_type == "cuda"
-               else torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9))
+        opt = train_optimizer(model.parameters(), mesh.device_type == "cuda")
         x = torch.randint(cfg.vocab_size, (8, cfg.block_size))
         y = torch.randint(cfg.vocab_size, (8, cfg.block_size))
 

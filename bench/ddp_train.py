@@ -19,7 +19,7 @@ from tdmesh.config import cpu_forced
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tutorials"))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.helpers import OpCounter, count_kernels  # noqa: E402
+from bench.helpers import OpCounter, count_kernels, train_optimizer  # noqa: E402
 
 from nanogpt import GPT, SIZES, get_batch, sized  # noqa: E402
 
@@ -42,8 +42,7 @@ def main() -> None:
     with torch.device(device):  # initialised where tdmesh's workers initialise theirs: same generator, same weights
         model = GPT(cfg)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
-    opt = (torch.optim.AdamW(model.parameters(), lr=3e-3, capturable=True) if cuda
-           else torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9))
+    opt = train_optimizer(model.parameters(), cuda)
     data = torch.tensor(tokens, device=device)
     times = []
     for step in range(args.steps + 3):

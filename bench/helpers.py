@@ -260,3 +260,13 @@ def count_kernels(trace_path: str) -> int:
     with open(trace_path) as f:
         events = json.load(f).get("traceEvents", [])
     return sum(1 for e in events if e.get("cat") == "kernel")
+
+
+def train_optimizer(params, cuda: bool):
+    """The benches' optimizer, the same for DDP and tdmesh: the fast flags of README's
+    Optimizers section (one fused AdamW op per step on CUDA; foreach SGD with momentum on CPU,
+    where torch's default for plain tensors is the per-parameter loop)."""
+    import torch
+    if cuda:
+        return torch.optim.AdamW(params, lr=3e-3, fused=True)
+    return torch.optim.SGD(params, lr=0.3, momentum=0.9, foreach=True)

@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     import torch
 
     import tdmesh
-    from bench.helpers import OpCounter, count_kernels
+    from bench.helpers import OpCounter, count_kernels, train_optimizer
 
     from nanogpt import GPT, sized
     train = __import__("runpy").run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
@@ -64,8 +64,7 @@ def main(argv=None) -> None:
     with tdmesh.local_mesh(hosts=1, gpus_per_host=args.workers) as mesh, mesh.activate():
         tdmesh.random.set_manual_seed_remote(0)  # the same initial weights as the DDP run
         model = GPT(cfg)
-        opt = (torch.optim.AdamW(model.parameters(), lr=3e-3, capturable=True) if mesh.device_type == "cuda"
-               else torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9))
+        opt = train_optimizer(model.parameters(), mesh.device_type == "cuda")
         data = torch.tensor(tokens)
         rank = mesh.rank(mesh.names)
 

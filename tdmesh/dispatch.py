@@ -66,8 +66,15 @@ def _scan(obj, remote: list, local: list):
     if t is Tensor:
         remote.append(obj)
         return obj._meta
-    if t is tuple or t is list:
-        return (t, tuple([_scan(x, remote, local) for x in obj]))
+    if t is tuple or t is list:  # foreach ops take lists of hundreds of tensors: those inline
+        parts = []
+        for x in obj:
+            if type(x) is Tensor:
+                remote.append(x)
+                parts.append(x._meta)
+            else:
+                parts.append(_scan(x, remote, local))
+        return (t, tuple(parts))
     if t is dict:
         return (dict, tuple([(k, _scan(v, remote, local)) for k, v in obj.items()]))
     if isinstance(obj, torch.Tensor):
