@@ -1,7 +1,7 @@
 """``with tdmesh.coalescing():`` holds back the messages of the block and sends each rank
 one batch when the outermost block exits (nested blocks flush once).  A block whose messages
-outgrow one flush (256 KiB) sends them in such batches as it goes, so the workers start
-on a long block before it ends and coalescing is never slower than plain dispatch.  Fetching
+outgrow a batch (16 KiB, some 400 ops) sends them in such batches as it goes, so the workers
+start on a long block before it ends and coalescing is never slower than plain dispatch.  Fetching
 inside the block would wait for messages that are not sent yet, so it raises."""
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ from .transport import Connection, encode
 log = logging.getLogger("tdmesh")
 
 _FLUSH_BYTES = 256 * 1024
+# A coalescing block streams in batches of this size: about 400 CallOps, so the workers start
+# on a long block within milliseconds (a 256 KiB batch held ~6,500 of them back, which made
+# a long block slower than plain dispatch) and a block still sends ~100x fewer frames than ops.
+_COALESCED_BATCH_BYTES = 16 * 1024
 _dumps = pickle.dumps  # transport.encode, without the call: submit runs once per op
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _monotonic = time.monotonic
@@ -140,7 +144,7 @@ class Client:
                     self._queue_probe(seq)  # after the op itself: the probe must not overtake it
             if coalescing.depth():
                 coalescing.clients().add(self)
-                if self._buffered_bytes > _FLUSH_BYTES:  # a long block streams: the workers start on it
+                if self._buffered_bytes > _COALESCED_BATCH_BYTES:  # a long block streams: the workers start on it
                     self.flush()
             elif self._buffered_bytes > _FLUSH_BYTES or _monotonic() - self._last_flush > _FLUSH_INTERVAL:
                 self.flush()
