@@ -38,6 +38,7 @@ _FLUSH_BYTES = 256 * 1024
 # A coalescing block streams in batches of this size: about 400 CallOps, so the workers start
 # on a long block within milliseconds (a 256 KiB batch held ~6,500 of them back, which made
 # a long block slower than plain dispatch) and a block still sends ~100x fewer frames than ops.
+_BARE = (m.CallOp, m.CallRecording)
 _COALESCED_BATCH_BYTES = 16 * 1024
 _dumps = pickle.dumps  # transport.encode, without the call: submit runs once per op
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -132,8 +133,8 @@ class Client:
                 self._queue_deletes()
             if seq is not None:
                 self.history.add(seq, uses, defs, site if site is not None else call_site(), future)
-            # a CallOp travels as a bare tuple (see messages.CallOp)
-            data = _dumps(tuple(msg) if type(msg) is m.CallOp else msg, _PROTOCOL)
+            # CallOps and CallRecordings travel as bare tuples (see messages.CallOp)
+            data = _dumps(tuple(msg) if type(msg) in _BARE else msg, _PROTOCOL)
             buffers = self._buffers
             for r in ranks:
                 buffers[r].append(data)

@@ -16,14 +16,14 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from .errors import call_site
-from .messages import CallOp
+from .messages import CallOp, CallRecording
 from .propagation import SparseMeta, TensorMeta
 from .stream import Stream, get_active_stream
 from .tensor import AliasSet, Tensor, new_proxy
 
 _tuple_new = tuple.__new__  # a NamedTuple from its values without its Python-level __new__
 
-__all__ = ["New", "issue", "issue_op", "issue_message", "issue_unshaped", "adopt"]
+__all__ = ["New", "issue", "issue_op", "issue_call", "issue_message", "issue_unshaped", "adopt"]
 
 
 class New(NamedTuple):
@@ -126,6 +126,26 @@ def issue_op(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> li
         # __torch_dispatch__ are tdmesh's frames on every path
         client.sink.submit(mesh.rank_list, msg, seq, refs, defs, None, remote, False, made, call_site(3))
     return proxies
+
+
+def issue_call(mesh, recording: int, inputs: Sequence[Tensor], outputs: Sequence[tuple], uses: list[int],
+               defs: list[int], ranks, stream: Stream) -> list[Tensor]:
+    """Issue one call of a compiled function (a CallRecording): ``outputs`` are its new
+    results as (dense meta, index of the input whose storage it views or None, stream,
+    device, mesh).  :func:`issue`'s work for this one shape of op, the hot path of replays."""
+    client = mesh.client
+    with client.lock:
+        made = []
+        refs = []
+        for meta, source, out_stream, device, out_mesh in outputs:
+            ref = client.new_ref()
+            made.append(new_proxy(meta, device, out_mesh, ref,
+                                  inputs[source]._r.aliases if source is not None else AliasSet(), out_stream))
+            refs.append(ref)
+        seq = client.new_seq()
+        msg = _tuple_new(CallRecording, (seq, recording, tuple(uses[:len(inputs)]), tuple(refs)))
+        client.sink.submit(ranks, msg, seq, uses, refs + defs, None, inputs, False, made, call_site(2))
+    return made
 
 
 def issue_unshaped(mesh, build: Callable, slots: Sequence[bool], *, inputs: Sequence[Tensor] = (),

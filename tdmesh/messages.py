@@ -143,10 +143,13 @@ class DefineRecording(NamedTuple):
     results: tuple[int, ...]
     chunk: int
     total: int
+    mode: str = "program"     # "program": run as one generated function where it can; "messages": message by message
 
 
 class CallRecording(NamedTuple):
-    """Replay ``recording`` with ``actuals`` for its formals, binding ``results``."""
+    """Replay ``recording`` with ``actuals`` for its formals, binding ``results``.
+
+    A compiled function's call is one of these, so it travels as a bare tuple as CallOp does."""
     seq: int
     recording: int
     actuals: tuple[int, ...]

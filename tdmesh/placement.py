@@ -8,6 +8,7 @@ is a :class:`~tdmesh.errors.PlacementError` (a ``TypeError``) before anything is
 from __future__ import annotations
 
 import traceback
+from collections.abc import Sequence
 
 import torch
 
@@ -18,7 +19,7 @@ from .tensor import Tensor, describe, raise_in_op
 __all__ = ["check_inputs", "check_mutation", "check_no_grad"]
 
 
-def check_inputs(remote: list[Tensor], mesh, what, stream: Stream | None = None) -> None:
+def check_inputs(remote: Sequence[Tensor], mesh, what, stream: Stream | None = None) -> None:
     """Placement and permission checks for an op's remote inputs, raised at the user's line."""
     stream = stream if stream is not None else get_active_stream()
     for t in remote:

@@ -23,8 +23,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import messages as m
 from ._context import active_mesh_or_none
 from .errors import UsageError, call_site, user_line
-from .issue import New, issue
+from .issue import New, issue, issue_call
 from .placement import check_inputs, check_no_grad
+from .propagation import SparseMeta
 from .stream import get_active_stream
 from .tensor import Tensor, raise_in_op
 
@@ -55,14 +56,22 @@ class Recorder:
 
 
 class _Compiled:
-    def __init__(self, fn, verify: bool) -> None:
+    def __init__(self, fn, verify: bool, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"tdmesh.compile: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
         self.fn = fn
         self.verify = verify
+        self.backend = backend
         self.recordings: dict = {}
         self.traces = 0
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
+        key = None if kwargs else _tensors_key(args)
+        if key is not None:  # the common call, f(tensor, ...): no tree walk, no per-input checks
+            rec = self.recordings.get(key)
+            if rec is not None and rec.verified and type(rec.client.sink) is not Recorder:
+                return rec.replay(args[0].mesh, args)
         flat, spec = tree_flatten((args, kwargs))
         inputs = [x for x in flat if type(x) is Tensor]
         mesh = inputs[0].mesh if inputs else active_mesh_or_none()
@@ -73,12 +82,14 @@ class _Compiled:
             return self.fn(*args, **kwargs)
         for t in inputs:
             check_no_grad(t, "tdmesh.compile (it does not record autograd)")
-        key = _key(spec, flat)
+        if key is None:
+            key = _key(spec, flat)
         rec = self.recordings.get(key)
         if rec is None:
             rec, outputs = self._trace(client, args, kwargs, inputs)
+            rec.verified = not self.verify
             self.recordings[key] = rec
-            rec.define(client)
+            rec.define(client, self.backend)
             rec.call(mesh, inputs)
             return outputs
         if self.verify and not rec.verified:
@@ -172,6 +183,8 @@ class _Recording:
         # keep captured tensors alive (and checkable) for as long as the recording exists
         self.captures = [recorder.seen[r] for r in self.capture_refs if r in recorder.seen]
         self.mutated_outside = [r for r in dict.fromkeys(mutated) if r not in self.defined]
+        self.formal_index = {r: i for i, r in enumerate(self.formals)}
+        self.capture_of = {t.ref: t for t in self.captures}
         self.out_spec = out_spec
         # per output leaf: ("value", v) | ("formal", i) | ("capture", t)
         #                  | ("result", meta, source, stream, device, mesh)
@@ -190,6 +203,10 @@ class _Recording:
                 self.outputs.append(("result", o._meta, source, o.stream, o.device, o.mesh))
                 self.results.append(o.ref)
         self.ranks = sorted({r for ranks, *_ in self.messages for r in ranks})
+        results = [o[1:] for o in self.outputs if o[0] == "result"]
+        self.dense_results = None if any(isinstance(r[0], SparseMeta) for r in results) else results
+        self.single_result = len(self.outputs) == 1 and self.outputs[0][0] == "result" and out_spec.num_leaves == 1 \
+            and out_spec.num_children == 0
 
     def signature(self) -> list:
         """The recording with its refs, borrow ids and seqs numbered by first appearance (the
@@ -242,41 +259,59 @@ class _Recording:
                 return i
         return None if len(mine) == len(theirs) else min(len(mine), len(theirs))
 
-    def define(self, client) -> None:
+    def define(self, client, mode: str) -> None:
+        self.client = client
         for rank in self.ranks:
             commands = tuple(msg for ranks, msg, _, _ in self.messages if rank in ranks)
             step = m.MAX_COMMANDS_PER_CHUNK
             chunks = [commands[i:i + step] for i in range(0, len(commands), step)] or [()]
             for index, chunk in enumerate(chunks):
                 client.send_setup(m.DefineRecording(self.id, chunk, tuple(self.formals), tuple(self.results),
-                                                    index, len(chunks)), ranks=(rank,))
+                                                    index, len(chunks), mode), ranks=(rank,))
 
     def call(self, mesh, inputs: list, traced: _Recording | None = None) -> None:
         """Run the recording for a call that was just traced: its results are the traced refs."""
         self._send(mesh, inputs, [], list((traced or self).results))
 
-    def _send(self, mesh, inputs: list, outputs: list, traced: Sequence[int] = ()) -> list:
+    def _send(self, mesh, inputs: Sequence[Tensor], outputs: list, traced: Sequence[int] = ()) -> list:
         """One CallRecording on this recording's ranks: ``outputs`` are the new proxies of a
         replay, ``traced`` the refs of a traced call's own outputs instead."""
         actual_refs = [t.ref for t in inputs]
-        rename = dict(zip(self.formals, actual_refs))
         mutated: list[int] = []
-        for r in self.mutated_outside:
-            target = rename.get(r, r)
-            owner = next((t for t in inputs if t.ref == target), None) or next(
-                (t for t in self.captures if t.ref == target), None)
-            mutated.extend(owner.aliases.refs if owner is not None else [target])
+        for r in self.mutated_outside:  # every alias of what the call writes, as the aliases are now
+            owner = inputs[self.formal_index[r]] if r in self.formal_index else self.capture_of.get(r)
+            mutated.extend(owner._r.aliases.refs if owner is not None else [r])
+        call = (self.id, tuple(actual_refs))
 
         def build(seq, new_refs, _mutated):
-            return m.CallRecording(seq, self.id, tuple(actual_refs), tuple(traced) + new_refs)
+            return m.CallRecording(seq, *call, tuple(traced) + new_refs)
 
         return issue(mesh, build, outputs=outputs, ranks=self.ranks, uses=actual_refs + self.capture_refs,
                      defs=list(traced) + mutated)
 
-    def replay(self, mesh, inputs: list):
+    def replay(self, mesh, inputs: Sequence[Tensor]):
         stream = get_active_stream()
+        for t in inputs:  # dropped or borrowed since the trace? (inputs may come from several meshes)
+            check_inputs((t,), t._mesh, "a compiled function", stream)
         if self.captures:
             check_inputs(self.captures, self.captures[0].mesh, "a compiled function (a captured tensor)", stream)
+        if self.dense_results is None:  # a sparse result: the general path
+            return self._replay_general(mesh, inputs)
+        mutated: list[int] = []
+        for r in self.mutated_outside:  # every alias of what the call writes, as the aliases are now
+            owner = inputs[self.formal_index[r]] if r in self.formal_index else self.capture_of.get(r)
+            mutated.extend(owner._r.aliases.refs if owner is not None else [r])
+        uses = [t._r.id for t in inputs]
+        uses.extend(self.capture_refs)
+        proxies = issue_call(mesh, self.id, inputs, self.dense_results, uses, mutated, self.ranks, stream)
+        if self.single_result:
+            return proxies[0]
+        it = iter(proxies)
+        leaves = [next(it) if kind == "result" else (inputs[rest[0]] if kind == "formal" else rest[0])
+                  for kind, *rest in self.outputs]
+        return tree_unflatten(leaves, self.out_spec)
+
+    def _replay_general(self, mesh, inputs: Sequence[Tensor]):
         slots: list = []  # per output leaf: (is a new proxy, the value or its index among the new ones)
         new: list = []
         for kind, *rest in self.outputs:
@@ -291,6 +326,25 @@ class _Recording:
                                out_mesh))
         proxies = self._send(mesh, inputs, new)
         return tree_unflatten([proxies[v] if is_new else v for is_new, v in slots], self.out_spec)
+
+
+def _tensors_key(args: tuple) -> tuple | None:
+    """The recording key of a call whose arguments are all tdmesh tensors (None otherwise):
+    what ``_key`` would distinguish, and whether grad must be refused (then the slow path
+    raises).  Read with torch functions off: under a mesh, ``requires_grad`` would go
+    through the mesh's TorchFunctionMode (1 us a tensor)."""
+    if not args:
+        return None
+    aliases: dict[int, int] = {}
+    parts: list = ["tensors"]
+    with torch._C.DisableTorchFunction():
+        for x in args:
+            if type(x) is not Tensor:
+                return None
+            grad = x.requires_grad and torch.is_grad_enabled()
+            parts.append((x._meta, id(x._mesh), x._stream.id, grad,
+                          aliases.setdefault(id(x._r.aliases), len(aliases))))
+    return tuple(parts)
 
 
 def _key(spec, flat) -> tuple:
@@ -309,8 +363,15 @@ def _key(spec, flat) -> tuple:
     return (spec, tuple(parts))
 
 
-def compile(fn=None, *, verify: bool = False):
-    """Compile ``fn`` into a worker-side recording: ``@tdmesh.compile`` or ``@tdmesh.compile(verify=True)``."""
+BACKENDS = ("program", "messages")
+
+
+def compile(fn=None, *, verify: bool = False, backend: str = "program"):
+    """Compile ``fn`` into a worker-side recording: ``@tdmesh.compile`` or ``@tdmesh.compile(verify=True)``.
+
+    ``backend="program"`` (the default) runs each call on a worker as one generated function
+    wherever the recording allows it (see ``tdmesh.worker.programs``); ``"messages"`` replays
+    it message by message, as before programs existed (for comparison and debugging)."""
     if fn is None:
-        return lambda f: _Compiled(f, verify)
-    return _Compiled(fn, verify)
+        return lambda f: _Compiled(f, verify, backend)
+    return _Compiled(fn, verify, backend)

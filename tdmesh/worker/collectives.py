@@ -99,8 +99,7 @@ def _all_gather(x: torch.Tensor, group, n: int) -> torch.Tensor:
     return out.view(n, *x.shape)
 
 
-def reduce(interp, msg: m.Reduce, stream) -> None:
-    env = stream.env
+def reduce(interp, msg: m.Reduce, env: dict) -> None:
     group = interp.groups.by_id(msg.group)
     n = _info(group)[1]
     x, _ = _value_or_zeros(env, msg.tensor, msg.factory, interp.device)
@@ -156,10 +155,9 @@ def _all_reduce_into(x: torch.Tensor, reduction: str, group, n: int) -> None:
 _BUCKET_BYTES = 32 << 20  # the most one flattened bucket holds (a copy of the tensors it packs)
 
 
-def reduce_many(interp, msg: m.ReduceMany, stream) -> None:
+def reduce_many(interp, msg: m.ReduceMany, env: dict) -> None:
     """``tdmesh.reduce_(list)``: tensors of one dtype are packed into flat buckets, each
     reduced by one collective and unpacked, instead of one collective per tensor."""
-    env = stream.env
     group = interp.groups.by_id(msg.group)
     n = _info(group)[1]
     xs = [_value_or_zeros(env, ref, factory, interp.device)[0] for ref, factory in zip(msg.tensors, msg.factories)]

@@ -21,16 +21,18 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .. import messages as m
 from ..errors import ProtocolViolation, RecordingError
 from . import collectives
+from .borrows import Borrows
 from .functions import resolve
 from .groups import Groups
 from .mesh import WorkerMesh
 from .ops import DefinedOp, slot_values
 from .recordings import Recordings
 from .streams import Stream
-from .values import BorrowSlot, DependentOnError, DeviceBroken, Poison, device_is_broken, event_on, to_fetchable, unseal
+from .values import DependentOnError, DeviceBroken, Poison, device_is_broken, to_fetchable, unseal
 
 log = logging.getLogger("tdmesh.worker")
 _CALL_OP_FIELDS = len(m.CallOp._fields)
+_CALL_RECORDING_FIELDS = len(m.CallRecording._fields)
 
 
 class Interpreter:
@@ -55,13 +57,16 @@ class Interpreter:
         self.streams: dict[int, Stream] = {}
         self._streams_lock = threading.Lock()
         self.groups = Groups(rank, world_size)
-        self.borrows: dict[int, BorrowSlot] = {}
+        self.borrows = Borrows(rank)
         self.recordings = Recordings()
         self.ops: dict[int, DefinedOp] = {}
         self.caused_error = False
         self.fatal: BaseException | None = None
         self.exit_request: m.Exit | m.Detach | None = None
         self._handlers = {cls: getattr(self, cls.__name__) for cls in m.CLIENT_TO_WORKER}
+        self._work: dict[type, Callable[[Any, Stream], None]] = {
+            m.CallOp: self._call_op, m.CallFunction: self._call_function, m.Reduce: self._reduce,
+            m.ReduceMany: self._reduce_many, m.DeleteRefs: self._delete_refs}
         self.stream(0)
 
     @property
@@ -92,6 +97,8 @@ class Interpreter:
         if handler is None:
             if type(msg) is tuple and len(msg) == _CALL_OP_FIELDS:  # a CallOp travels as a bare tuple
                 return self.CallOp(msg)
+            if type(msg) is tuple and len(msg) == _CALL_RECORDING_FIELDS:  # and so does a CallRecording
+                return self.CallRecording(m.CallRecording._make(msg))
             raise ProtocolViolation(f"worker {self.rank} got an unknown message {type(msg).__name__}: {msg!r}")
         handler(msg)
 
@@ -133,7 +140,10 @@ class Interpreter:
 
     def CallRecording(self, msg: m.CallRecording) -> None:
         try:
-            commands, temporaries = self.recordings.expand(msg)
+            program = self.recordings.program(msg, self)
+            if program is not None:
+                return self.stream(program.stream).submit(program.call, msg)
+            commands, temporaries, _ = self.recordings.expand(msg)
         except RecordingError as e:
             raise ProtocolViolation(str(e)) from None
         for command in commands:
@@ -142,19 +152,17 @@ class Interpreter:
             self.DeleteRefs(m.DeleteRefs(tuple(temporaries)))
 
     def BorrowCreate(self, msg: m.BorrowCreate) -> None:
-        if msg.borrow in self.borrows:
-            raise ProtocolViolation(f"borrow {msg.borrow} already exists on worker {self.rank}")
-        self.borrows[msg.borrow] = BorrowSlot(msg)
-        self.stream(msg.from_stream).submit(self._borrow_create, msg)
+        self.borrows.add(msg)
+        self.stream(msg.from_stream).submit(self.borrows.create, msg)
 
     def BorrowFirstUse(self, msg: m.BorrowFirstUse) -> None:
-        self.stream(self._borrow(msg.borrow).msg.to_stream).submit(self._borrow_first_use, msg)
+        self.stream(self.borrows.slot(msg.borrow).msg.to_stream).submit(self.borrows.first_use, msg)
 
     def BorrowLastUse(self, msg: m.BorrowLastUse) -> None:
-        self.stream(self._borrow(msg.borrow).msg.to_stream).submit(self._borrow_last_use, msg)
+        self.stream(self.borrows.slot(msg.borrow).msg.to_stream).submit(self.borrows.last_use, msg)
 
     def BorrowDrop(self, msg: m.BorrowDrop) -> None:
-        self.stream(self._borrow(msg.borrow).msg.from_stream).submit(self._borrow_drop, msg)
+        self.stream(self.borrows.slot(msg.borrow).msg.from_stream).submit(self.borrows.drop, msg)
 
     def DeleteRefs(self, msg: m.DeleteRefs) -> None:
         for s in list(self.streams.values()):
@@ -189,6 +197,10 @@ class Interpreter:
         self.exit_request = msg
 
     # -- work (stream threads) -----------------------------------------------------------------
+    def stream_work(self, msg, stream: Stream) -> None:
+        """Run one message of a recording's call directly on ``stream`` (its thread is running it)."""
+        self._work[type(msg)](msg, stream)
+
     def _call_function(self, msg: m.CallFunction, stream: Stream) -> None:
         env = stream.env
         try:
@@ -247,13 +259,13 @@ class Interpreter:
         self.send(m.FetchResult(msg.seq, payload))
 
     def _reduce(self, msg: m.Reduce, stream: Stream) -> None:
-        error = self._collective(collectives.reduce, msg, stream)
+        error = self._collective(collectives.reduce, msg, stream.env)
         if error is not None:
             targets = (msg.result,) if msg.result is not None else ()
             self._fail(stream.env, msg.seq, targets, (msg.out,) if msg.out is not None else (), error, "reduce")
 
     def _reduce_many(self, msg: m.ReduceMany, stream: Stream) -> None:
-        error = self._collective(collectives.reduce_many, msg, stream)
+        error = self._collective(collectives.reduce_many, msg, stream.env)
         if error is not None:
             self._fail(stream.env, msg.seq, (), msg.tensors, error, "reduce")
 
@@ -264,11 +276,11 @@ class Interpreter:
             env = self.stream(msg.to_stream).env if receives else stream.env
             self._fail(env, msg.seq, (msg.result,) if receives else (), (), error, "to_mesh")
 
-    def _collective(self, run, msg, stream: Stream) -> Exception | None:
-        """Run one collective; its error, if it raised one that the user's values caused (a
-        broken message is a ProtocolViolation and ends the worker)."""
+    def _collective(self, run, msg, where) -> Exception | None:
+        """Run one collective (on a stream, or on the ref table ``where``); its error, if it raised
+        one that the user's values caused (a broken message is a ProtocolViolation and ends the worker)."""
         try:
-            run(self, msg, stream)
+            run(self, msg, where)
         except ProtocolViolation:
             raise
         except Exception as e:  # noqa: BLE001 - reported against the op's seq by the caller
@@ -279,44 +291,6 @@ class Interpreter:
         error = NotImplementedError(f"to_mesh: rank {self.rank} would both send on stream {msg.from_stream} and "
                                     f"receive on stream {msg.to_stream}; move within one stream")
         self._fail(stream.env, msg.seq, (msg.result,), (), error, "to_mesh")
-
-    def _borrow(self, borrow: int) -> BorrowSlot:
-        try:
-            return self.borrows[borrow]
-        except KeyError:
-            raise ProtocolViolation(f"borrow {borrow} does not exist on worker {self.rank}") from None
-
-    def _borrow_create(self, msg: m.BorrowCreate, stream: Stream) -> None:
-        slot = self.borrows[msg.borrow]
-        try:
-            slot.value = stream.env[msg.tensor]
-        except KeyError:
-            slot.value = Poison(-1, f"borrowed ref {msg.tensor} does not exist on stream {stream.id}")
-        slot.event = event_on(stream)
-        slot.created.set()
-
-    def _borrow_first_use(self, msg: m.BorrowFirstUse, stream: Stream) -> None:
-        slot = self.borrows[msg.borrow]
-        slot.created.wait()
-        if slot.event is not None and stream.cuda is not None:
-            stream.cuda.wait_event(slot.event)
-        value = slot.value
-        if isinstance(value, torch.Tensor) and stream.cuda is not None:
-            value.record_stream(stream.cuda)  # the allocator must not reuse it while we read it
-        stream.env[slot.msg.result] = value
-
-    def _borrow_last_use(self, msg: m.BorrowLastUse, stream: Stream) -> None:
-        slot = self.borrows[msg.borrow]
-        slot.last_event = event_on(stream)
-        stream.env.pop(slot.msg.result, None)
-        slot.released.set()
-
-    def _borrow_drop(self, msg: m.BorrowDrop, stream: Stream) -> None:
-        slot = self.borrows[msg.borrow]
-        slot.released.wait()
-        if slot.last_event is not None and stream.cuda is not None:
-            stream.cuda.wait_event(slot.last_event)
-        del self.borrows[msg.borrow]
 
     def _delete_refs(self, msg: m.DeleteRefs, stream: Stream) -> None:
         env = stream.env

@@ -21,38 +21,52 @@ from .values import DependentOnError, Poison
 
 class DefinedOp:
     """One DefineOp on this worker: ``run(values)`` calls the op with ``values`` in its slots."""
-    __slots__ = ("function", "run", "slots")
+    __slots__ = ("function", "fn", "args", "kwargs", "run", "slots")
 
     def __init__(self, msg: m.DefineOp, device: torch.device) -> None:
         self.function = msg.function
+        self.args = _on_device(msg.args, device)
+        self.kwargs = _on_device(msg.kwargs, device)
+        self.fn: Callable | None = None
         consts: dict[str, Any] = {}
         slots: set[int] = set()
 
-        def expr(obj) -> str:
-            t = type(obj)
-            if t is m.Slot:
-                slots.add(obj.position)
-                return f"v[{obj.position}]"
-            if (t is tuple or t is list) and _holds_slot(obj):
-                items = "".join(expr(x) + ", " for x in obj)
-                return f"({items})" if t is tuple else f"[{items}]"
-            if t is dict and _holds_slot(obj):
-                return "{" + "".join(f"{k!r}: {expr(x)}, " for k, x in obj.items()) + "}"
-            name = f"c{len(consts)}"
-            consts[name] = obj
-            return name
+        def slot(position: int) -> str:
+            slots.add(position)
+            return f"v[{position}]"
 
-        args = "".join(expr(a) + ", " for a in _on_device(msg.args, device))
-        kwargs = f"**{expr(_on_device(msg.kwargs, device))}" if msg.kwargs else ""
+        call = call_source("fn", self.args, self.kwargs, slot, consts)
         try:
-            consts["fn"] = resolve(msg.function)
+            self.fn = consts["fn"] = resolve(msg.function)
         except Exception as e:  # noqa: BLE001 - every call of the op fails with it, as CallFunction's would
             self.run: Callable[[list], Any] = _raiser(e)
         else:
-            source = f"def run(v):\n    return fn({args}{kwargs})\n"
+            source = f"def run(v):\n    return {call}\n"
             exec(compile(source, f"<tdmesh op {msg.op}: {msg.function}>", "exec"), consts)  # noqa: S102
             self.run = consts["run"]
         self.slots = len(slots)
+
+
+def call_source(fn: str, args, kwargs: dict, slot: Callable[[int], str], consts: dict[str, Any]) -> str:
+    """The Python expression ``fn(*args, **kwargs)`` of a template: ``slot(position)`` names the
+    value of each Slot, every other leaf becomes a constant added to ``consts`` (its name is
+    unique within ``consts``, so one namespace can hold the calls of many templates)."""
+    def expr(obj) -> str:
+        t = type(obj)
+        if t is m.Slot:
+            return slot(obj.position)
+        if (t is tuple or t is list) and _holds_slot(obj):
+            items = "".join(expr(x) + ", " for x in obj)
+            return f"({items})" if t is tuple else f"[{items}]"
+        if t is dict and _holds_slot(obj):
+            return "{" + "".join(f"{k!r}: {expr(x)}, " for k, x in obj.items()) + "}"
+        name = f"c{len(consts)}"
+        consts[name] = obj
+        return name
+
+    positional = "".join(expr(a) + ", " for a in args)
+    keywords = f"**{expr(kwargs)}" if kwargs else ""
+    return f"{fn}({positional}{keywords})"
 
 
 def _on_device(obj, device: torch.device):

@@ -10,11 +10,15 @@ against the CallRecording's seq, so a failure inside fails the call's outputs to
 from __future__ import annotations
 
 import itertools
+import logging
 import pickle
 from typing import Any
 
 from .. import messages as m
 from ..errors import RecordingError
+from .programs import Program, Unsupported
+
+log = logging.getLogger("tdmesh.worker")
 
 _temporaries = itertools.count(-1, -1)  # worker-local refs: negative, never clash with the client's
 
@@ -28,6 +32,9 @@ class Recording:
         self.commands: list = []
         self.next_index = 0
         self.defined: list[int] = []  # refs the commands define, once complete
+        self.mode = first.mode
+        self.program: Program | None = None  # made at the first call (the ops it uses are defined by then)
+        self.unsupported: str | None = None  # why it replays message by message instead
 
     @property
     def complete(self) -> bool:
@@ -75,12 +82,31 @@ class Recordings:
         except KeyError:
             raise RecordingError(f"recording {recording} not found") from None
 
-    def expand(self, call: m.CallRecording) -> tuple[list, list[int]]:
-        """The messages of one call with their refs renamed, and the temporaries to delete."""
+    def checked(self, call: m.CallRecording) -> Recording:
         rec = self.get(call.recording)
         if len(call.actuals) != len(rec.formals) or len(call.results) != len(rec.results):
             raise RecordingError(f"recording {rec.id} takes {len(rec.formals)} inputs and {len(rec.results)} "
                                  f"outputs, called with {len(call.actuals)} and {len(call.results)}")
+        return rec
+
+    def program(self, call: m.CallRecording, interp) -> Program | None:
+        """The call's recording as a program, or None where it replays message by message."""
+        rec = self.checked(call)
+        if rec.program is None and rec.unsupported is None:
+            if rec.mode == "messages":
+                rec.unsupported = "compiled with backend='messages'"
+            else:
+                try:
+                    rec.program = Program(rec, interp)
+                except Unsupported as e:
+                    rec.unsupported = str(e)
+                    log.debug("recording %s replays message by message: %s", rec.id, e)
+        return rec.program
+
+    def expand(self, call: m.CallRecording) -> tuple[list, list[int], dict[int, int]]:
+        """The messages of one call with their refs renamed, the temporaries to delete, and the
+        renaming (recorded ref -> the call's ref)."""
+        rec = self.checked(call)
         names = dict(zip(rec.formals, call.actuals))
         names.update(zip(rec.results, call.results))
         temporaries = []
@@ -90,7 +116,7 @@ class Recordings:
                 temporaries.append(fresh)
         borrow_names: dict[int, int] = {}
         commands = [_rename(c, names, borrow_names, call.seq) for c in rec.commands]
-        return commands, temporaries
+        return commands, temporaries, names
 
 
 def _defined_refs(commands) -> list[int]:

@@ -65,7 +65,7 @@ FIELDS = {
     m.DeleteRefs: ("refs",),
     m.RequestStatus: ("seq",),
     m.Exit: ("error",),
-    m.DefineRecording: ("recording", "commands", "formals", "results", "chunk", "total"),
+    m.DefineRecording: ("recording", "commands", "formals", "results", "chunk", "total", "mode"),
     m.CallRecording: ("seq", "recording", "actuals", "results"),
     m.Supervise: ("heartbeat_interval",),
     m.Detach: (),
@@ -92,6 +92,7 @@ DEFAULTS = {
     m.ReduceMany: {"stream": 0},
     m.CreateGroups: {"mesh": None, "dims": (), "ref": None, "to_stream": None, "id": 0},
     m.Exit: {"error": None},
+    m.DefineRecording: {"mode": "program"},
     m.FetchResult: {"error": None},
 }
 

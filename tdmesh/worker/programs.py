@@ -1,0 +1,292 @@
+"""Compiled functions as programs: a recording turned into one generated function per rank.
+
+Replaying a recording message by message renames every ref of every message, queues each
+message on its stream and looks each ref up in the stream's table.  A program does that work
+once, at its first call: each ref of the recording becomes a local variable of one generated
+Python function, defined ops and aten calls become calls with their constants bound,
+collectives become calls on the local tensors, temporaries never enter the ref table, and
+only the inputs (formals, captures) are read from it and the results written to it.  A call
+runs the whole function as one item of its stream.
+
+Failures keep the message-by-message semantics exactly: a call with a poisoned (or missing)
+input runs message by message from the start; an op that raises fails its own results
+(reported against the call's seq) and the rest of the call continues message by message
+from the locals of that moment, so independent work still runs and every rank runs the same
+collectives in the same order.  A recording a program cannot express (borrows, moves between
+meshes, several streams, sealed user-function arguments, process-group arguments) is always
+replayed message by message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .. import messages as m
+from ..errors import ProtocolViolation
+from . import collectives
+from .functions import resolve
+from .ops import call_source
+from .values import Poison
+
+_PLAIN = (m.CallOp, m.CallFunction, m.Reduce, m.ReduceMany)
+
+
+class Unsupported(Exception):
+    """The recording is replayed message by message; the text says why (for tests and logs)."""
+
+
+def _one(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    return _many(value, 1)[0]
+
+
+def _many(value, n: int) -> list:
+    if type(value) in (tuple, list) and len(value) == n and all(isinstance(v, torch.Tensor) for v in value):
+        return value  # an op's tuple of tensors: what tree_leaves would return, without its walk
+    leaves = tree_leaves(value)
+    if len(leaves) != n:
+        raise TypeError(f"function returned {len(leaves)} values where the client expected {n}")
+    return leaves
+
+
+def _stream_of(c) -> int | None:
+    t = type(c)
+    if t is m.DeleteRefs:
+        return None
+    if t not in _PLAIN:
+        raise Unsupported(f"{t.__name__} in the recording")
+    return c[5] if t is m.CallOp else c.stream
+
+
+class Program:
+    """One recording of this rank as a generated function ``run(env, actuals, results) -> bool``
+    (False: an input is poisoned, nothing ran)."""
+
+    def __init__(self, rec, interp) -> None:
+        self.recording = rec.id
+        self.interp = interp
+        streams = {s for s in (_stream_of(c) for c in rec.commands) if s is not None}
+        if len(streams) != 1:
+            raise Unsupported(f"the recording uses {len(streams)} streams")
+        self.stream: int = streams.pop()
+        self._formals = {r: i for i, r in enumerate(rec.formals)}
+        self._names: dict[int, str] = {}
+        self._loads: list[str] = []       # first lines: read the inputs from the ref table
+        self._inputs: list[str] = []
+        self._input_refs: set[int] = set()
+        self._deleted: set[int] = set()
+        self.consts: dict[str, Any] = {"P": Poison, "one": _one, "many": _many, "interp": interp,
+                                       "reduce": collectives.reduce, "reduce_many": collectives.reduce_many}
+        body: list[str] = []
+        self.step_of_line: dict[int, int] = {}
+        self.defined_before: list[list[tuple[int, str]]] = []  # per step: (ref, local) defined by earlier steps
+        defined: list[tuple[int, str]] = []
+        for index, c in enumerate(rec.commands):
+            lines = self._step(c, index, interp)
+            self.defined_before.append(list(defined))
+            for line in lines:
+                body.append(line)
+                self.step_of_line[len(body)] = index  # body line numbers; made source lines below
+            for ref in _defs(c):
+                defined.append((ref, self._names[ref]))
+        ends = []
+        for i, ref in enumerate(rec.results):
+            if ref not in self._names or all(r != ref for r, _ in defined):
+                raise Unsupported(f"result ref {ref} is not defined by the recording")
+            ends.append(f"env[R[{i}]] = {self._names[ref]}")
+        for ref in dict.fromkeys(r for r, _ in defined):
+            if ref in self._formals:  # an input rebound inside: the call's actual ref sees it
+                ends.append(f"env[A[{self._formals[ref]}]] = {self._names[ref]}")
+        header = ["def program(env, A, R):", *self._loads]
+        if self._inputs:
+            header.append("if " + " or ".join(f"type({v}) is P" for v in self._inputs) + ": return False")
+        offset = len(header) + 1  # line numbers are 1-based: body line k is line k + offset - 1
+        self.step_of_line = {k + offset - 1: step for k, step in self.step_of_line.items()}
+        self.first_step_line = offset
+        source = "\n    ".join(header + body + ends + ["return True"]) + "\n"
+        self.source = source
+        filename = f"<tdmesh program {rec.id}>"
+        exec(compile(source, filename, "exec"), self.consts)  # noqa: S102
+        self.run: Callable[[dict, tuple, tuple], bool] = self.consts["program"]
+        self.code = self.run.__code__
+
+    # -- building --------------------------------------------------------------------------
+    def _use(self, ref: int) -> str:
+        if ref in self._deleted:
+            raise Unsupported(f"ref {ref} is used after the recording deletes it")
+        name = self._names.get(ref)
+        if name is None:
+            name = self._names[ref] = f"v{len(self._names)}"
+            source = f"A[{self._formals[ref]}]" if ref in self._formals else str(ref)
+            self._loads.append(f"{name} = env[{source}]")
+            self._inputs.append(name)
+            self._input_refs.add(ref)
+        return name
+
+    def _define(self, ref: int | None) -> str:
+        if ref is None:
+            return "_"
+        if ref in self._input_refs and ref not in self._formals:
+            raise Unsupported(f"the recording reads captured ref {ref} and then defines it")
+        self._deleted.discard(ref)
+        name = self._names.get(ref)
+        if name is None:
+            name = self._names[ref] = f"v{len(self._names)}"
+        return name
+
+    def _bind(self, results: tuple, call: str) -> list[str]:
+        if not results:
+            return [call]
+        if len(results) == 1:
+            return [f"{self._define(results[0])} = one({call})"]
+        targets = ", ".join(self._define(r) for r in results)
+        return [f"{targets}, = many({call}, {len(results)})"]
+
+    def _const(self, value) -> str:
+        name = f"k{len(self.consts)}"
+        self.consts[name] = value
+        return name
+
+    def _step(self, c, index: int, interp) -> list[str]:
+        t = type(c)
+        if t is m.CallOp:
+            _, op_id, results, mutates, refs, _ = c
+            op = interp.ops.get(op_id)
+            if op is None or op.fn is None or op.slots != len(refs):
+                raise Unsupported(f"op {op_id} is not defined (or does not resolve) on this worker")
+            for r in mutates:
+                self._use(r)
+            names = [self._use(r) for r in refs]
+            call = call_source(self._const(op.fn), op.args, op.kwargs, names.__getitem__, self.consts)
+            return self._bind(results, call)
+        if t is m.CallFunction:
+            if type(c.args) is bytes or c.process_groups:
+                raise Unsupported("a user function's sealed arguments (or process groups) in the recording")
+            try:
+                fn = resolve(c.function)
+            except Exception as e:  # noqa: BLE001 - replayed message by message, which reports it
+                raise Unsupported(f"function {c.function!r} does not resolve: {e}") from None
+            slotted: list[int] = []
+            args, kwargs = _slotted(c.args, slotted, interp.device), _slotted(c.kwargs, slotted, interp.device)
+            for r in c.mutates:
+                self._use(r)
+            names = [self._use(r) for r in slotted]
+            return self._bind(c.results, call_source(self._const(fn), args, kwargs, names.__getitem__, self.consts))
+        if t is m.Reduce:
+            scratch = ", ".join(f"{r}: {self._use(r)}" for r in (c.tensor, c.out) if r is not None)
+            lines = [f"s = {{{scratch}}}", f"reduce(interp, {self._const(c)}, s)"]
+            if c.result is not None:
+                lines.append(f"{self._define(c.result)} = s[{c.result}]")
+            return ["; ".join(lines)]
+        if t is m.ReduceMany:
+            scratch = ", ".join(f"{r}: {self._use(r)}" for r in c.tensors)
+            return [f"reduce_many(interp, {self._const(c)}, {{{scratch}}})"]
+        if t is m.DeleteRefs:
+            lines = []
+            for r in c.refs:
+                if r not in self._names or r in self._input_refs:
+                    raise Unsupported(f"the recording deletes ref {r}, which it did not define")
+                lines.append(f"{self._names[r]} = None")
+                self._deleted.add(r)
+            return ["; ".join(lines) or "pass"]
+        raise Unsupported(f"{t.__name__} in the recording")
+
+    # -- running -----------------------------------------------------------------------------
+    def call(self, call: m.CallRecording, stream) -> None:
+        """Run one call on its stream (the stream thread's work item)."""
+        interp = self.interp
+        env = stream.env
+        try:
+            if self.run(env, call.actuals, call.results):
+                return
+            failed: int | None = None
+            error: BaseException | None = None
+            state: dict = {}
+        except ProtocolViolation:
+            raise  # a broken message (an unknown group, ...): the worker stops, as message by message
+        except Exception as e:  # noqa: BLE001 - the op's own failure: reported as its message would be
+            failed, error, state = self._where(e)
+        commands, temporaries, names = interp.recordings.expand(call)
+        start = 0
+        if failed is not None:
+            for ref, local in self.defined_before[failed]:
+                value = state.get(local)
+                if value is not None:
+                    env[names.get(ref, ref)] = value
+            c = commands[failed]
+            results, mutates, function = _failure_targets(c, interp)
+            interp._fail(env, call.seq, results, mutates, error, function)
+            start = failed + 1
+        for c in commands[start:]:
+            interp.stream_work(c, stream)
+        for ref in temporaries:
+            env.pop(ref, None)
+
+    def _where(self, error: BaseException) -> tuple[int | None, BaseException | None, dict]:
+        """The step that raised ``error`` and the program's locals then (None: reading an input)."""
+        tb = error.__traceback__
+        while tb is not None and tb.tb_frame.f_code is not self.code:
+            tb = tb.tb_next
+        if tb is None:
+            return None, None, {}
+        step = self.step_of_line.get(tb.tb_lineno)
+        if step is None:
+            return None, None, {}
+        return step, error, dict(tb.tb_frame.f_locals)
+
+
+def _defs(c) -> list[int]:
+    t = type(c)
+    if t is m.CallOp:
+        return [r for r in c[2] if r is not None]
+    if t is m.CallFunction:
+        return [r for r in c.results if r is not None]
+    if t is m.Reduce:
+        return [c.result] if c.result is not None else []
+    return []
+
+
+def _failure_targets(c, interp) -> tuple[tuple, tuple, Any]:
+    """(results, mutates, function) that fail when renamed message ``c`` raises."""
+    t = type(c)
+    if t is m.CallOp:
+        op = interp.ops.get(c[1])
+        return c[2], c[3], op.function if op is not None else "op"
+    if t is m.CallFunction:
+        return c.results, c.mutates, c.function
+    if t is m.Reduce:
+        return (c.result,) if c.result is not None else (), (c.out,) if c.out is not None else (), "reduce"
+    return (), c.tensors, "reduce"
+
+
+def _slotted(obj, refs: list[int], device: torch.device):
+    """A CallFunction's arguments as a template: each Ref a Slot (its ref appended to ``refs``),
+    accelerator devices made this worker's; anything a template cannot hold raises Unsupported."""
+    t = type(obj)
+    if t is m.Ref:
+        refs.append(obj.id)
+        return m.Slot(len(refs) - 1)
+    if t is tuple or t is list:
+        return t(_slotted(x, refs, device) for x in obj)
+    if t is dict:
+        return {k: _slotted(v, refs, device) for k, v in obj.items()}
+    if t is torch.device:
+        return device if obj.type != "cpu" else obj
+    if t in (m.MeshArg, m.ProcessGroupArg, m.TorchMeshArg) or (isinstance(obj, tuple) and _has_ref(obj)):
+        raise Unsupported(f"a {t.__name__} argument in the recording")
+    return obj
+
+
+def _has_ref(obj) -> bool:
+    if type(obj) is m.Ref:
+        return True
+    if isinstance(obj, (tuple, list)):
+        return any(_has_ref(x) for x in obj)
+    if isinstance(obj, dict):
+        return any(_has_ref(x) for x in obj.values())
+    return False
