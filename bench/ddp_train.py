@@ -3,7 +3,10 @@
     torchrun --standalone --nproc_per_node 2 bench/ddp_train.py --steps 20 --size tiny --dtype fp32
 Rank 0 prints ``DDP_STEP_SECONDS <median seconds per step> LOSS <final loss>``, then
 ``PLAIN_OPS_PER_STEP <n>``: the aten ops one plain local step (the model without DDP, same
-optimizer) dispatches, counted by bench.helpers.OpCounter.
+optimizer) dispatches, counted by bench.helpers.OpCounter.  ``--reduce-overhead`` (CUDA) also
+trains a fresh copy as DDP under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs, the
+fastest way people train small models with torchrun) and prints ``DDP_RO_STEP_SECONDS <median>
+LOSS <final> COMPILE_SECONDS <first 3 steps>`` (or ``DDP_RO_FAILED <why>``).
 """
 
 import argparse
@@ -30,6 +33,7 @@ def main() -> None:
     p.add_argument("--size", default="tiny", choices=SIZES)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="bf16: autocast around the forward")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--reduce-overhead", action="store_true")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not cpu_forced()
     rank = int(os.environ["RANK"])
@@ -85,7 +89,44 @@ def main() -> None:
             plain_loss.backward()
             opt.step()
         print(f"PLAIN_OPS_PER_STEP {counted.ops}", flush=True)
+    if args.reduce_overhead and cuda:
+        try:
+            _reduce_overhead(args, cfg, data, device, rank)
+        except Exception as e:  # noqa: BLE001 - the bench reports the missing baseline and goes on
+            if rank == 0:
+                print(f"DDP_RO_FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
     dist.destroy_process_group()
+
+
+def _reduce_overhead(args, cfg, data, device, rank) -> None:
+    """The same training as DDP under torch.compile(mode="reduce-overhead"), from the same weights."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(cfg)
+    ddp = torch.compile(torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index]),
+                        mode="reduce-overhead")
+    opt = train_optimizer(model.parameters(), True)
+    times = []
+    start = time.perf_counter()
+    for step in range(args.steps + 3):
+        if step == 3:
+            compile_s = time.perf_counter() - start
+        g = torch.Generator(device=device)
+        g.manual_seed(1000 * rank + step)
+        x, y = get_batch(data, args.batch_size, cfg.block_size, g)
+        t = time.perf_counter()
+        torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+            loss = ddp(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+        if step >= 3:
+            times.append(time.perf_counter() - t)
+    if rank == 0:
+        print(f"DDP_RO_STEP_SECONDS {statistics.median(times):.6f} LOSS {loss.item():.4f} "
+              f"COMPILE_SECONDS {compile_s:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ Sections (each timed section: one warm-up, then ``--repeats`` timed runs; best a
   (2) dispatched  the same loop under ``mesh.activate()`` with one worker, then one fetch
   (3) remote fn   one remote function runs the whole loop on the worker, then a fetch
   (4) coalescing  the loop of (2) inside ``with tdmesh.coalescing():``
-  (5) compiled    the loop as a ``@tdmesh.compile`` function called repeatedly: (5a) one add
-                  per call, N calls; (5b) 100 adds per call, N/100 calls
+  (5) compiled    the loop as a ``@tdmesh.compile`` function called repeatedly, run by each
+                  worker as a generated program (``cuda_graph=False``): (5a) one add per call,
+                  N calls; (5b) 100 adds per call, N/100 calls; on CUDA, (5c) and (5d): the
+                  same as CUDA graphs (``cuda_graph=True``: inputs copied in, result copied out)
   (6) fetch RTT   ``fetch_shard(t).result()`` of a 10-element tensor vs. a raw
                   pickle-over-TCP echo with tdmesh's framing, to a second process
   (7) N workers   (2) on a mesh of N workers (every op goes to all N ranks)
@@ -113,13 +115,13 @@ def bench_coalesced(mesh, n: int, repeats: int) -> list[float]:
     return times
 
 
-def bench_compiled(mesh, n: int, repeats: int, body: int) -> list[float]:
+def bench_compiled(mesh, n: int, repeats: int, body: int, cuda_graph: bool = False) -> list[float]:
     """(5) a compiled function doing ``body`` adds, called n/body times: one message per call."""
     import torch
 
     import tdmesh
 
-    @tdmesh.compile
+    @tdmesh.compile(cuda_graph=cuda_graph)
     def step(local, ones):
         for _ in range(body):
             local = ones + local
@@ -227,6 +229,9 @@ def main(argv=None) -> int:
         results["coalesced"] = bench_coalesced(mesh, n, reps)
         results["compiled1"] = bench_compiled(mesh, n, reps, 1)
         results["compiled100"] = bench_compiled(mesh, n, reps, 100)
+        if args.device == "cuda":
+            results["graph1"] = bench_compiled(mesh, n, reps, 1, cuda_graph=True)
+            results["graph100"] = bench_compiled(mesh, n, reps, 100, cuda_graph=True)
         fetch_times, raw_times, bytes_times, blob_len = bench_fetch_rtt(mesh, args.fetches)
 
     workers = args.workers
@@ -247,6 +252,8 @@ def main(argv=None) -> int:
         "coalesced": "(4) (2) inside coalescing(), + fetch",
         "compiled1": "(5a) compiled fn of 1 add, N calls",
         "compiled100": "(5b) compiled fn of 100 adds, N/100 calls",
+        "graph1": "(5c) (5a) as a CUDA graph",
+        "graph100": "(5d) (5b) as a CUDA graph",
         "workers": f"(7) dispatched, {workers} workers, + fetch",
     }
     rows = []
@@ -295,6 +302,10 @@ def main(argv=None) -> int:
     print(f"  compiled(1 op)/local     = {base_best / min(results['compiled1']):.3f}x  "
           f"({n / min(results['compiled1']):,.0f} calls/s)")
     print(f"  compiled(100 ops)/local  = {base_best / min(results['compiled100']):.3f}x")
+    if "graph1" in results:
+        print(f"  graph(1 op)/local        = {base_best / min(results['graph1']):.3f}x  "
+              f"({n / min(results['graph1']):,.0f} calls/s; plain dispatch {n / d_best:,.0f} ops/s)")
+        print(f"  graph(100 ops)/local     = {base_best / min(results['graph100']):.3f}x")
     print(f"  fetch_rtt/raw_rtt        = {f_med / r_med:.2f}x  (median {h.fmt_us(f_med)} vs {h.fmt_us(r_med)}; "
           f"p99 {h.fmt_us(f_p99)} vs {h.fmt_us(r_p99)})")
     print(f"  fetch_rtt/bytes_rtt      = {f_med / statistics.median(bytes_times):.2f}x  (socket floor, median "

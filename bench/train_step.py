@@ -43,12 +43,17 @@ def main(argv=None) -> None:
         env["TDMESH_DEVICE"] = os.environ["TDMESH_DEVICE"] = "cpu"
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                           str(args.workers), os.path.join(ROOT, "bench", "ddp_train.py"), "--steps", str(args.steps),
-                          "--size", args.size, "--dtype", args.dtype, "--batch-size", str(args.batch_size)],
+                          "--size", args.size, "--dtype", args.dtype, "--batch-size", str(args.batch_size)]
+                         + (["--reduce-overhead"] if args.device == "cuda" else []),
                          capture_output=True, text=True, env=env, timeout=600)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("DDP_STEP_SECONDS")), None)
     if line is None:
         sys.exit("the DDP baseline failed:\n" + out.stderr[-3000:])
     ddp_s = float(line.split()[1])
+    ro_line = next((ln for ln in out.stdout.splitlines() if ln.startswith("DDP_RO_STEP_SECONDS")), None)
+    for ln in out.stdout.splitlines():
+        if ln.startswith("DDP_RO_FAILED"):
+            print(f"(DDP + torch.compile(mode='reduce-overhead') did not run: {ln[len('DDP_RO_FAILED '):]})")
     plain_ops = int(next(ln for ln in out.stdout.splitlines() if ln.startswith("PLAIN_OPS_PER_STEP")).split()[1])
 
     import torch
@@ -77,8 +82,6 @@ def main(argv=None) -> None:
             opt.step()
             return loss.detach()
 
-        compiled_step = tdmesh.compile(step)
-
         issue_s: dict = {}
 
         def timed(fn, first: int) -> tuple[float, float]:
@@ -104,17 +107,36 @@ def main(argv=None) -> None:
             with tdmesh.profile(tempfile.mkdtemp()) as traces:
                 step(x, y)
             kernels = count_kernels(os.path.join(traces, "rank0.trace.json"))
-        compiled_step(*batch(data, args.batch_size, cfg.block_size, rank, 3 + args.steps))  # traces it
-        compiled_s, compiled_final = timed(compiled_step, 4 + args.steps)
+        # compiled variants, each continuing the training: a generated program per worker, and on
+        # CUDA that program captured as a CUDA graph; the first two calls (trace, definition,
+        # warm-up and capture) are timed apart from the steps
+        variants = [("tdmesh compiled", False)] + ([("  + CUDA graph", True)] if mesh.device_type == "cuda" else [])
+        compiled: list = []
+        first = 3 + args.steps
+        for label, graph in variants:
+            fn = tdmesh.compile(step, cuda_graph=graph)
+            start = time.perf_counter()
+            for i in range(2):
+                loss = fn(*batch(data, args.batch_size, cfg.block_size, rank, first + i))
+            tdmesh.fetch_shard(loss).result()
+            setup_s = time.perf_counter() - start
+            step_s, final_c = timed(fn, first + 2)
+            compiled.append((label, step_s, final_c, issue_s[fn], setup_s))
+            first += 2 + args.steps
     print(f"\ntrain step, {args.size} GPT, {args.dtype}, {args.workers} {args.device} workers, "
           f"batch {args.batch_size}/worker, torch {torch.__version__}")
     print(f"  torchrun DDP   : {ddp_s * 1e3:9.2f} ms/step   ({line.split('LOSS')[1].strip()} final loss)")
+    if ro_line is not None:
+        ro = ro_line.split()
+        print(f"  DDP + compile  : {float(ro[1]) * 1e3:9.2f} ms/step   (torch.compile mode='reduce-overhead'; "
+              f"{ro[3]} final loss; first 3 steps incl. compile {float(ro[5]):.1f} s)  DDP/this "
+              f"{ddp_s / float(ro[1]):.3f}x")
     print(f"  tdmesh         : {ours_s * 1e3:9.2f} ms/step   ({final:.4f} final loss; the client issues a step "
           f"in {issue_s[step] * 1e3:.2f} ms)")
-    print(f"  tdmesh compiled: {compiled_s * 1e3:9.2f} ms/step   ({compiled_final:.4f} final loss after "
-          f"{args.steps + 1} more steps; issued in {issue_s[compiled_step] * 1e3:.2f} ms)")
+    for label, step_s, final_c, issue_c, setup_s in compiled:
+        print(f"  {label:<15}: {step_s * 1e3:9.2f} ms/step   ({final_c:.4f} final loss; issued in "
+              f"{issue_c * 1e3:.2f} ms; trace + capture {setup_s * 1e3:.0f} ms)  DDP/this {ddp_s / step_s:.3f}x")
     print(f"  DDP/tdmesh     : {ddp_s / ours_s:9.3f}x  (1.0 = as fast as DDP)")
-    print(f"  DDP/compiled   : {ddp_s / compiled_s:9.3f}x")
     print(f"  ops per step   : {counted.ops} issued by tdmesh, {plain_ops} in a plain local step "
           f"({counted.ops / plain_ops:.2f}x); {messages} messages per tdmesh step")
     if kernels is not None:

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import messages as m
 from ._context import active_mesh_or_none
+from .capture import recording_mode
 from .errors import UsageError, call_site, user_line
 from .issue import New, issue, issue_call
 from .placement import check_inputs, check_no_grad
@@ -42,6 +43,7 @@ class Recorder:
         self.client = client
         self.messages: list[tuple[tuple, object, list, list]] = []
         self.created: list = []  # weakrefs to the RefOwners made while tracing
+        self.devices: set[str] = set()  # the device types of the tensors it made
         self.seen: dict[int, Tensor] = {}  # every tensor an op read while tracing, by ref
 
     def submit(self, ranks, msg, seq=None, uses=(), defs=(), future=None, inputs=(), deletes_first=False,
@@ -52,16 +54,21 @@ class Recorder:
         for t in inputs:
             self.seen[t.ref] = t
         self.created.extend(weakref.ref(t._r) for t in outputs)
+        self.devices.update(t.device.type for t in outputs)
         self.messages.append((tuple(ranks), msg, list(uses), list(defs)))
 
 
 class _Compiled:
-    def __init__(self, fn, verify: bool, backend: str) -> None:
+    def __init__(self, fn, verify: bool, backend: str, cuda_graph: bool | None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"tdmesh.compile: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        if backend == "messages" and cuda_graph:
+            raise ValueError("tdmesh.compile: cuda_graph=True needs backend='program' (a graph captures a program)")
         self.fn = fn
         self.verify = verify
         self.backend = backend
+        self.cuda_graph = cuda_graph
+        self.warned = False  # the reason a recording is not a CUDA graph is said once
         self.recordings: dict = {}
         self.traces = 0
         functools.update_wrapper(self, fn)
@@ -70,7 +77,7 @@ class _Compiled:
         key = None if kwargs else _tensors_key(args)
         if key is not None:  # the common call, f(tensor, ...): no tree walk, no per-input checks
             rec = self.recordings.get(key)
-            if rec is not None and rec.verified and type(rec.client.sink) is not Recorder:
+            if rec is not None and rec.verified and type(rec.client.sink) is not Recorder and rec.fresh():
                 return rec.replay(args[0].mesh, args)
         flat, spec = tree_flatten((args, kwargs))
         inputs = [x for x in flat if type(x) is Tensor]
@@ -85,11 +92,14 @@ class _Compiled:
         if key is None:
             key = _key(spec, flat)
         rec = self.recordings.get(key)
+        if rec is not None and not rec.fresh():  # a captured tensor changed shape since the trace: trace again
+            rec = None
         if rec is None:
             rec, outputs = self._trace(client, args, kwargs, inputs)
+            mode = recording_mode(self.backend, self.cuda_graph, mesh, rec, rec.devices, inputs, self)
             rec.verified = not self.verify
             self.recordings[key] = rec
-            rec.define(client, self.backend)
+            rec.define(client, mode)
             rec.call(mesh, inputs)
             return outputs
         if self.verify and not rec.verified:
@@ -185,11 +195,14 @@ class _Recording:
         self.mutated_outside = [r for r in dict.fromkeys(mutated) if r not in self.defined]
         self.formal_index = {r: i for i, r in enumerate(self.formals)}
         self.capture_of = {t.ref: t for t in self.captures}
+        self.capture_metas = [t._meta for t in self.captures]
         self.out_spec = out_spec
         # per output leaf: ("value", v) | ("formal", i) | ("capture", t)
         #                  | ("result", meta, source, stream, device, mesh)
         self.outputs: list[tuple] = []
         self.results = []
+        self.result_alias_ids: list[int] = []  # the storage of each result, for capture.graph_blocker
+        self.devices = recorder.devices
         input_aliases = [t._r.aliases for t in inputs]
         for o in out_flat:
             if type(o) is not Tensor:
@@ -202,11 +215,17 @@ class _Recording:
                 source = next((i for i, a in enumerate(input_aliases) if a is o._r.aliases), None)
                 self.outputs.append(("result", o._meta, source, o.stream, o.device, o.mesh))
                 self.results.append(o.ref)
+                self.result_alias_ids.append(id(o._r.aliases))
         self.ranks = sorted({r for ranks, *_ in self.messages for r in ranks})
         results = [o[1:] for o in self.outputs if o[0] == "result"]
         self.dense_results = None if any(isinstance(r[0], SparseMeta) for r in results) else results
         self.single_result = len(self.outputs) == 1 and self.outputs[0][0] == "result" and out_spec.num_leaves == 1 \
             and out_spec.num_children == 0
+
+    def fresh(self) -> bool:
+        """Whether every captured tensor still has the metadata it was traced with (an in-place
+        resize_, set_ or transpose_ outside changes it: the recorded work would be stale)."""
+        return all(t._meta is meta or t._meta == meta for t, meta in zip(self.captures, self.capture_metas))
 
     def signature(self) -> list:
         """The recording with its refs, borrow ids and seqs numbered by first appearance (the
@@ -366,12 +385,15 @@ def _key(spec, flat) -> tuple:
 BACKENDS = ("program", "messages")
 
 
-def compile(fn=None, *, verify: bool = False, backend: str = "program"):
+def compile(fn=None, *, verify: bool = False, backend: str = "program", cuda_graph: bool | None = None):
     """Compile ``fn`` into a worker-side recording: ``@tdmesh.compile`` or ``@tdmesh.compile(verify=True)``.
 
     ``backend="program"`` (the default) runs each call on a worker as one generated function
     wherever the recording allows it (see ``tdmesh.worker.programs``); ``"messages"`` replays
-    it message by message, as before programs existed (for comparison and debugging)."""
+    it message by message, as before programs existed (for comparison and debugging).
+    ``cuda_graph``: on a CUDA mesh, None (the default) captures the program as a CUDA graph at
+    its second call where the recording qualifies (``tdmesh.capture`` says when) and warns
+    once where it does not; True raises instead; False never captures."""
     if fn is None:
-        return lambda f: _Compiled(f, verify, backend)
-    return _Compiled(fn, verify, backend)
+        return lambda f: _Compiled(f, verify, backend, cuda_graph)
+    return _Compiled(fn, verify, backend, cuda_graph)

@@ -98,3 +98,13 @@ def describe(values) -> list:
 def values_of(t: torch.Tensor):
     """A tensor's values as Python numbers: arguments that torch reads on the host."""
     return t.tolist()
+
+
+def recording_modes() -> dict:
+    """How each recording this worker has called runs: "program", or why it replays message by
+    message (see tdmesh.worker.programs); recordings not called yet are left out."""
+    from .interpreter import Interpreter
+    interp = Interpreter.current
+    if interp is None:
+        return {}
+    return interp.recordings.modes()

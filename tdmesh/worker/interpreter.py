@@ -214,7 +214,7 @@ class Interpreter:
         except ProtocolViolation:
             raise  # a broken message, not a failing user function: the worker stops
         except Exception as e:  # noqa: BLE001 - whatever the user's function raises is its failure
-            self._fail(env, msg.seq, msg.results, msg.mutates, e, msg.function)
+            self.fail(env, msg.seq, msg.results, msg.mutates, e, msg.function)
 
     def _call_op(self, msg: m.CallOp | tuple, stream: Stream) -> None:
         seq, op_id, results, mutates, refs, _ = msg
@@ -230,7 +230,7 @@ class Interpreter:
         except ProtocolViolation:
             raise
         except Exception as e:  # noqa: BLE001 - the op's own failure
-            self._fail(env, seq, results, mutates, e, op.function)
+            self.fail(env, seq, results, mutates, e, op.function)
 
     def _send_value(self, msg: m.SendValue, stream: Stream) -> None:
         env = stream.env
@@ -253,7 +253,7 @@ class Interpreter:
         except ProtocolViolation:
             raise
         except Exception as e:  # noqa: BLE001 - whatever the user's function raises is its failure
-            self._fail(env, msg.seq, (), msg.mutates, e, msg.function)
+            self.fail(env, msg.seq, (), msg.mutates, e, msg.function)
             self.send(m.FetchResult(msg.seq, None, m.DependentError(msg.seq)))
             return
         self.send(m.FetchResult(msg.seq, payload))
@@ -262,19 +262,19 @@ class Interpreter:
         error = self._collective(collectives.reduce, msg, stream.env)
         if error is not None:
             targets = (msg.result,) if msg.result is not None else ()
-            self._fail(stream.env, msg.seq, targets, (msg.out,) if msg.out is not None else (), error, "reduce")
+            self.fail(stream.env, msg.seq, targets, (msg.out,) if msg.out is not None else (), error, "reduce")
 
     def _reduce_many(self, msg: m.ReduceMany, stream: Stream) -> None:
         error = self._collective(collectives.reduce_many, msg, stream.env)
         if error is not None:
-            self._fail(stream.env, msg.seq, (), msg.tensors, error, "reduce")
+            self.fail(stream.env, msg.seq, (), msg.tensors, error, "reduce")
 
     def _send_tensor(self, msg: m.SendTensor, stream: Stream) -> None:
         error = self._collective(collectives.send_tensor, msg, stream)
         if error is not None:
             receives = self.rank in msg.to_ranks
             env = self.stream(msg.to_stream).env if receives else stream.env
-            self._fail(env, msg.seq, (msg.result,) if receives else (), (), error, "to_mesh")
+            self.fail(env, msg.seq, (msg.result,) if receives else (), (), error, "to_mesh")
 
     def _collective(self, run, msg, where) -> Exception | None:
         """Run one collective (on a stream, or on the ref table ``where``); its error, if it raised
@@ -290,7 +290,7 @@ class Interpreter:
     def _unsupported_p2p(self, msg: m.SendTensor, stream: Stream) -> None:
         error = NotImplementedError(f"to_mesh: rank {self.rank} would both send on stream {msg.from_stream} and "
                                     f"receive on stream {msg.to_stream}; move within one stream")
-        self._fail(stream.env, msg.seq, (msg.result,), (), error, "to_mesh")
+        self.fail(stream.env, msg.seq, (msg.result,), (), error, "to_mesh")
 
     def _delete_refs(self, msg: m.DeleteRefs, stream: Stream) -> None:
         env = stream.env
@@ -358,7 +358,7 @@ class Interpreter:
         for ref in mutates:
             env[ref] = poison
 
-    def _fail(self, env: dict, seq, results, mutates, error: BaseException, function) -> None:
+    def fail(self, env: dict, seq, results, mutates, error: BaseException, function) -> None:
         self.caused_error = True
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         name = function if isinstance(function, str) else getattr(function, "__qualname__", "a pickled function")

@@ -113,6 +113,8 @@ class Program:
         filename = f"<tdmesh program {rec.id}>"
         exec(compile(source, filename, "exec"), self.consts)  # noqa: S102
         self.run: Callable[[dict, tuple, tuple], bool] = self.consts["program"]
+        self.capture_refs = [r for r in self._input_refs if r not in self._formals]
+        self.result_count = len(rec.results)
         self.code = self.run.__code__
 
     # -- building --------------------------------------------------------------------------
@@ -220,7 +222,7 @@ class Program:
                     env[names.get(ref, ref)] = value
             c = commands[failed]
             results, mutates, function = _failure_targets(c, interp)
-            interp._fail(env, call.seq, results, mutates, error, function)
+            interp.fail(env, call.seq, results, mutates, error, function)
             start = failed + 1
         for c in commands[start:]:
             interp.stream_work(c, stream)

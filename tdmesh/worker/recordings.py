@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import messages as m
 from ..errors import RecordingError
+from .graphs import GraphedProgram
 from .programs import Program, Unsupported
 
 log = logging.getLogger("tdmesh.worker")
@@ -33,7 +34,7 @@ class Recording:
         self.next_index = 0
         self.defined: list[int] = []  # refs the commands define, once complete
         self.mode = first.mode
-        self.program: Program | None = None  # made at the first call (the ops it uses are defined by then)
+        self.program: Program | GraphedProgram | None = None  # made at the first call (its ops are defined by then)
         self.unsupported: str | None = None  # why it replays message by message instead
 
     @property
@@ -89,8 +90,9 @@ class Recordings:
                                  f"outputs, called with {len(call.actuals)} and {len(call.results)}")
         return rec
 
-    def program(self, call: m.CallRecording, interp) -> Program | None:
-        """The call's recording as a program, or None where it replays message by message."""
+    def program(self, call: m.CallRecording, interp) -> Program | GraphedProgram | None:
+        """The call's recording as a program (or a CUDA graph of one), or None where it replays
+        message by message."""
         rec = self.checked(call)
         if rec.program is None and rec.unsupported is None:
             if rec.mode == "messages":
@@ -98,10 +100,18 @@ class Recordings:
             else:
                 try:
                     rec.program = Program(rec, interp)
+                    if rec.mode.startswith("cuda_graph") and interp.device.type == "cuda":
+                        rec.program = GraphedProgram(rec.program, required=rec.mode == "cuda_graph_required")
                 except Unsupported as e:
                     rec.unsupported = str(e)
                     log.debug("recording %s replays message by message: %s", rec.id, e)
         return rec.program
+
+    def modes(self) -> dict[int, str]:
+        """Per called recording: "program", or why it replays message by message."""
+        return {rid: getattr(rec.program, "mode", "program") if rec.program is not None
+                else f"messages: {rec.unsupported}"
+                for rid, rec in self._recordings.items() if rec.program is not None or rec.unsupported}
 
     def expand(self, call: m.CallRecording) -> tuple[list, list[int], dict[int, int]]:
         """The messages of one call with their refs renamed, the temporaries to delete, and the

@@ -1,0 +1,102 @@
+"""Compiled functions as CUDA graphs: a program captured once, then replayed with one launch.
+
+The client asks for a graph (``DefineRecording.mode``) only for recordings it has checked can
+be one: CUDA tensors only, one stream, no borrows or user functions, no input written in place,
+no result viewing an input or a captured tensor.  Every rank gets the same mode, so every rank
+runs the same collectives in the same order whether it replays the graph or not (a graph's NCCL
+kernels are the same calls on the same communicators as eager ones).
+
+The first call runs the program (warm-up: cuBLAS handles, NCCL communicators, the allocator);
+the second captures it with static copies of the inputs and replays it; later calls copy their
+inputs into those copies and replay.  Captured tensors are read and written where they are
+(their memory never moves: the client holds them for as long as the recording exists); results
+are fresh tensors (copies of the graph's outputs, which the next replay overwrites).  A call
+with a poisoned input runs the program instead (message-by-message semantics), and a capture
+that fails (a host sync, a CPU op feeding the device, ...) leaves the recording a program for
+good, with a warning in the worker's log; in mode ``cuda_graph_required`` it fails the call.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import messages as m
+from .programs import Program
+from .streams import Stream
+
+log = logging.getLogger("tdmesh.worker")
+
+
+class CaptureFailed(RuntimeError):
+    """A recording compiled with ``cuda_graph=True`` could not be captured on this worker."""
+
+
+class GraphedProgram:
+    """A program that runs as one CUDA graph from its second call on."""
+
+    def __init__(self, program: Program, required: bool) -> None:
+        self.program = program
+        self.stream = program.stream
+        self.required = required
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.failed: str | None = None
+        self.static_inputs: list[torch.Tensor] = []
+        self.static_outputs: list[torch.Tensor] = []
+
+    @property
+    def mode(self) -> str:
+        if self.graph is not None:
+            return "cuda_graph"
+        return f"program: capture failed ({self.failed})" if self.failed else "program (not captured yet)"
+
+    def call(self, call: m.CallRecording, stream: Stream) -> None:
+        program = self.program
+        env = stream.env
+        inputs: list = [env.get(a) for a in call.actuals]
+        ready = all(isinstance(v, torch.Tensor) for v in inputs) and all(
+            isinstance(env.get(r), torch.Tensor) for r in program.capture_refs)
+        if not ready or (self.failed is not None and not self.required):
+            return program.call(call, stream)  # poisoned or missing inputs: the program's own semantics
+        if self.graph is None:
+            if self.failed is None and self.calls == 0:
+                self.calls = 1
+                return program.call(call, stream)  # warm-up
+            if self.failed is None:
+                try:
+                    self._capture(inputs, env)
+                except Exception as e:  # noqa: BLE001 - any capture failure falls back (or fails the call)
+                    self.failed = f"{type(e).__name__}: {e}"
+                    self.graph = None
+                    log.warning("recording %s runs as a program, not a CUDA graph: its capture failed: %s",
+                                program.recording, self.failed)
+            if self.graph is None:
+                if not self.required:
+                    return program.call(call, stream)
+                error = CaptureFailed(f"tdmesh.compile(cuda_graph=True): the function could not be captured as "
+                                      f"a CUDA graph on worker {program.interp.rank}: {self.failed}")
+                program.interp.fail(env, call.seq, call.results, (), error, "cuda graph capture")
+                return
+        else:
+            for static, value in zip(self.static_inputs, inputs):
+                if static.data_ptr() != value.data_ptr():
+                    static.copy_(value)
+        self.graph.replay()
+        for ref, out in zip(call.results, self.static_outputs):
+            env[ref] = out.clone()
+
+    def _capture(self, inputs: list[torch.Tensor], env: dict) -> None:
+        program = self.program
+        self.static_inputs = [v.clone() for v in inputs]
+        scratch: dict = {r: env[r] for r in program.capture_refs}
+        formals = tuple(("in", i) for i in range(len(inputs)))
+        results = tuple(("out", j) for j in range(program.result_count))
+        scratch.update(zip(formals, self.static_inputs))
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the worker's other streams (threads) may launch work while this one captures
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            program.run(scratch, formals, results)
+        self.static_outputs = [scratch[k] for k in results]
+        self.graph = graph

@@ -1,0 +1,104 @@
+"""Compiled functions as worker programs, on real workers: a compiled training step (forward,
+backward, bucketed reduce, foreach SGD with momentum) gives the losses of the same steps run eagerly, bit
+for bit on CPU, whether each rank runs it as a program or message by message."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tdmesh
+from tdmesh import fetch_shard, remote
+
+recording_modes = remote("tdmesh.worker.builtins.recording_modes")
+
+
+def _train(mesh, steps: int, backend: str | None) -> list[float]:
+    """``steps`` training steps of a small MLP from seed 0, eager (backend None) or compiled."""
+    with mesh.activate():
+        tdmesh.random.set_manual_seed_remote(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+        rank = mesh.rank(mesh.names).float()
+        batches = [(torch.randn(8, 6) + rank, (torch.arange(8) + i) % 3) for i in range(steps)]
+
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            tdmesh.reduce_([p.grad for p in model.parameters()], mesh.names, "avg")
+            opt.step()
+            return loss.detach()
+
+        for x, y in batches[:2]:  # creates the gradients and the optimizer's state
+            step(x, y)
+        run = step if backend is None else tdmesh.compile(step, backend=backend)
+        losses = [run(x, y) for x, y in batches[2:]]
+        return [float(fetch_shard(loss).result()) for loss in losses]
+
+
+def test_compiled_training_steps_give_the_eager_losses_exactly(mesh2x2):
+    eager = _train(mesh2x2, 22, None)
+    program = _train(mesh2x2, 22, "program")
+    with mesh2x2.activate():
+        modes = tdmesh.call_on_shard_and_fetch(recording_modes).result()
+    assert list(modes.values())[-1] == "program"
+    messages = _train(mesh2x2, 22, "messages")
+    with mesh2x2.activate():
+        modes = tdmesh.call_on_shard_and_fetch(recording_modes).result()
+    assert list(modes.values())[-1] == "messages: compiled with backend='messages'"
+    assert program == eager and messages == eager
+    assert eager[-1] < eager[0]  # it trains
+
+
+def test_an_error_inside_a_program_fails_the_calls_outputs_and_later_calls_run(mesh1):
+    with mesh1.activate():
+        @tdmesh.compile
+        def fn(x, d):
+            bad = x // d  # integer division by zero: raises on the worker only
+            return bad + 1, x * 2
+
+        x = torch.arange(4)
+        ok = [fn(x, torch.ones(4, dtype=torch.int64)) for _ in range(3)]
+        failed = fn(x, torch.zeros(4, dtype=torch.int64))
+        after = fn(x, torch.full((4,), 2, dtype=torch.int64))
+        with pytest.raises(tdmesh.RemoteException, match="ZeroDivisionError"):
+            fetch_shard(failed[0]).result()
+        with pytest.raises(tdmesh.RemoteException, match="ZeroDivisionError"):  # one op to the client: all fail
+            fetch_shard(failed[1]).result()
+        assert torch.equal(fetch_shard(ok[2][0]).result(), x + 1)
+        assert torch.equal(fetch_shard(after[0]).result(), x // 2 + 1)
+
+
+def test_an_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        tdmesh.compile(lambda x: x, backend="fast")
+
+
+def test_a_captured_tensor_that_changes_shape_between_calls_is_traced_again(mesh1):
+    with mesh1.activate():
+        w = torch.arange(6.0).view(2, 3)
+
+        @tdmesh.compile
+        def fn(x):
+            return x + w.sum(0)
+
+        x = torch.zeros(1)
+        fn(x), fn(x)
+        w.t_()  # in place: w is now 3 x 2, and w.sum(0) has 2 elements
+        got = fn(x)
+        assert fn.traces == 2 and got.shape == (2,)
+        assert torch.equal(fetch_shard(got).result(), torch.tensor([3.0, 12.0]))
+        w.mul_(10)  # a value change only: the recording reads w where it is
+        assert torch.equal(fetch_shard(fn(x)).result(), torch.tensor([30.0, 120.0]))
+        assert fn.traces == 2
+
+
+def test_cuda_graph_true_needs_a_cuda_mesh_and_a_program(mesh1):
+    with pytest.raises(ValueError, match="cuda_graph=True needs backend='program'"):
+        tdmesh.compile(lambda x: x, backend="messages", cuda_graph=True)
+    with mesh1.activate():
+        fn = tdmesh.compile(lambda x: x * 2, cuda_graph=True)
+        with pytest.raises(tdmesh.errors.UsageError, match=r"needs a CUDA mesh; this one is on cpu\n  at .*test_prog"):
+            fn(torch.ones(2))
+        auto = tdmesh.compile(lambda x: x * 2)  # the default: a program, silently, on CPU meshes
+        assert torch.equal(fetch_shard(auto(torch.ones(2))).result(), torch.full((2,), 2.0))

@@ -1,0 +1,155 @@
+"""Compiled functions as CUDA graphs on GPU workers: a training step with fused AdamW and the
+bucketed gradient reduce captured after one warm-up call, the same losses as eager, and every
+fallback (decided on the client, or a capture that fails on the worker) tested.
+
+Skipped without CUDA; run on a GPU host with ``python -m pytest -q tests/gpu``.  The reduce is
+a collective only with two or more GPUs (a group of one reduces nothing): with one GPU the
+captured step has no NCCL kernel in it; the multi-GPU test runs only where there are two.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tdmesh
+from tdmesh import fetch_shard, remote
+from tdmesh import messages as m
+from tdmesh.errors import UsageError
+from tdmesh.worker.interpreter import Interpreter
+from tdmesh.worker.values import Poison
+
+pytestmark = pytest.mark.gpu
+recording_modes = remote("tdmesh.worker.builtins.recording_modes")
+
+
+@pytest.fixture(scope="module")
+def gpu_mesh():
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh:
+        yield mesh
+
+
+def _train(mesh, steps: int, cuda_graph) -> tuple[list[float], dict]:
+    with mesh.activate():
+        tdmesh.random.set_manual_seed_remote(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        batches = [(torch.randn(16, 32), torch.randint(0, 10, (16,))) for _ in range(steps)]
+
+        def step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            tdmesh.reduce_([p.grad for p in model.parameters()], mesh.names, "avg")
+            opt.step()
+            return loss.detach()
+
+        for x, y in batches[:2]:
+            step(x, y)
+        run = step if cuda_graph is None else tdmesh.compile(step, cuda_graph=cuda_graph)
+        losses = [fetch_shard(run(x, y)).result() for x, y in batches[2:]]
+        modes = tdmesh.call_on_shard_and_fetch(recording_modes).result()
+    return [float(v) for v in losses], modes
+
+
+def test_a_training_step_as_a_cuda_graph_gives_the_eager_losses(gpu_mesh):
+    eager, _ = _train(gpu_mesh, 22, None)
+    graphed, modes = _train(gpu_mesh, 22, True)
+    program, _ = _train(gpu_mesh, 22, False)
+    assert list(modes.values())[-1] == "cuda_graph"
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=0)
+    torch.testing.assert_close(program, eager, rtol=1e-5, atol=0)
+    assert eager[-1] < eager[0]
+
+
+def test_results_are_fresh_tensors_and_inputs_are_read_each_call(gpu_mesh):
+    with gpu_mesh.activate():
+        w = torch.full((4,), 2.0)
+
+        @tdmesh.compile(cuda_graph=True)
+        def fn(x):
+            return x * w + 1
+
+        outs = [fn(torch.full((4,), float(i))) for i in range(5)]
+        w.mul_(10)  # a captured tensor's value: read where it is by the graph
+        last = fn(torch.ones(4))
+        got = [fetch_shard(o).result() for o in outs + [last]]
+        modes = tdmesh.call_on_shard_and_fetch(recording_modes).result()
+    assert list(modes.values())[-1] == "cuda_graph"
+    for i in range(5):
+        assert torch.equal(got[i], torch.full((4,), 2.0 * i + 1))  # not overwritten by later replays
+    assert torch.equal(got[5], torch.full((4,), 21.0))
+
+
+def test_what_cannot_be_a_graph_warns_once_by_default_and_raises_with_cuda_graph_true(gpu_mesh):
+    with gpu_mesh.activate():
+        x = torch.ones(4)
+
+        def writes_its_input(t):
+            t.add_(1)
+            return t * 2
+
+        auto = tdmesh.compile(writes_its_input)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                auto(x)
+        said = [w for w in caught if "not a CUDA graph" in str(w.message)]
+        assert len(said) == 1 and "writes an input in place" in str(said[0].message)
+        assert torch.equal(fetch_shard(x).result(), torch.full((4,), 4.0))
+        with pytest.raises(UsageError, match=r"cuda_graph=True\): writes_its_input cannot be captured.*in place"):
+            tdmesh.compile(writes_its_input, cuda_graph=True)(x)
+        with pytest.raises(UsageError, match="views an input"):
+            tdmesh.compile(lambda t: t[1:], cuda_graph=True)(x)
+        with pytest.raises(UsageError, match="tensors on cpu"):
+            tdmesh.compile(lambda t: t * torch.ones(4, device="cpu").to("cuda"), cuda_graph=True)(x)
+
+
+def _worker(mode: str):
+    sent: list = []
+    interp = Interpreter(0, torch.device("cuda"), sent.append)
+    interp.handle(m.DefineOp(1, "torch.ops.aten.mul.Tensor", (m.Slot(0), m.Slot(1)), {}))
+    commands = (m.CallOp(0, 1, (10,), (), (1, 1), 0), m.CallFunction(0, (), (), "torch.cuda.synchronize", (), {}),
+                m.CallOp(0, 1, (11,), (), (10, 1), 0))
+    interp.handle(m.DefineRecording(1, commands, (1,), (11,), 0, 1, mode))
+    return interp, sent
+
+
+def test_a_capture_that_fails_on_the_worker_falls_back_to_the_program_or_fails_the_call():
+    interp, sent = _worker("cuda_graph")  # a host sync inside: cannot be captured
+    interp.env[5] = torch.full((3,), 2.0, device="cuda")
+    for i in range(3):
+        interp.handle(m.CallRecording(20 + i, 1, (5,), (100 + i,)))
+    assert sent == [] and all(torch.equal(interp.env[100 + i].cpu(), torch.full((3,), 8.0)) for i in range(3))
+    assert interp.recordings.modes()[1].startswith("program: capture failed")
+
+    interp, sent = _worker("cuda_graph_required")
+    interp.env[5] = torch.full((3,), 2.0, device="cuda")
+    for i in range(3):
+        interp.handle(m.CallRecording(20 + i, 1, (5,), (100 + i,)))
+    assert torch.equal(interp.env[100].cpu(), torch.full((3,), 8.0))  # the warm-up call runs as a program
+    failures = [x for x in sent if isinstance(x, m.RemoteFunctionFailed)]
+    assert [f.seq for f in failures] == [21, 22] and "could not be captured as a CUDA graph" in failures[0].message
+    assert type(interp.env[101]) is Poison and type(interp.env[102]) is Poison
+
+
+def test_a_poisoned_input_runs_the_program_instead_of_the_graph():
+    interp, sent = _worker("cuda_graph")
+    interp.handle(m.DefineRecording(2, (m.CallOp(0, 1, (10,), (), (1, 1), 0),), (1,), (10,), 0, 1, "cuda_graph"))
+    interp.env[5] = torch.full((3,), 3.0, device="cuda")
+    interp.env[6] = Poison(4, "earlier")
+    for i, ref in enumerate((5, 5, 6, 5)):
+        interp.handle(m.CallRecording(30 + i, 2, (ref,), (200 + i,)))
+    assert interp.recordings.modes()[2] == "cuda_graph"
+    assert type(interp.env[202]) is Poison and interp.env[202].seq == 4 and sent == []
+    assert torch.equal(interp.env[203].cpu(), torch.full((3,), 9.0))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL inside a graph needs two GPUs")
+def test_nccl_reduce_inside_a_cuda_graph_on_two_gpus():
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh:
+        eager, _ = _train(mesh, 12, None)
+        graphed, modes = _train(mesh, 12, True)
+    assert list(modes.values())[-1] == "cuda_graph"
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=0)
