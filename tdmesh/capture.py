@@ -34,7 +34,7 @@ def graph_blocker(rec, devices: set[str], inputs) -> str | None:
             streams.add(msg[5] if t is m.CallOp else msg.stream)
     if len(streams) > 1:
         return f"it uses {len(streams)} streams"
-    others = sorted(devices | {t.device.type for t in list(inputs) + rec.captures} - {"cuda"})
+    others = sorted((devices | {t.device.type for t in list(inputs) + rec.captures}) - {"cuda"})
     if others:
         return f"it uses tensors on {', '.join(others)} (a CUDA graph replays GPU work only)"
     written = [r for r in rec.mutated_outside if r in rec.formal_index]
