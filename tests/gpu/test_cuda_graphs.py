@@ -35,7 +35,8 @@ def _train(mesh, steps: int, cuda_graph) -> tuple[list[float], dict]:
         tdmesh.random.set_manual_seed_remote(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-        batches = [(torch.randn(16, 32), torch.randint(0, 10, (16,))) for _ in range(steps)]
+        xs = [torch.randn(16, 32) for _ in range(steps)]
+        batches = [(x, x[:, :10].argmax(1)) for x in xs]  # a rule it can learn
 
         def step(x, y):
             loss = F.cross_entropy(model(x), y)
@@ -88,7 +89,9 @@ def test_what_cannot_be_a_graph_warns_once_by_default_and_raises_with_cuda_graph
 
         def writes_its_input(t):
             t.add_(1)
-            return t * 2
+            for _ in range(10):  # long enough for a graph by default (capture.MIN_GRAPH_OPS)
+                t = t * 1
+            return t
 
         auto = tdmesh.compile(writes_its_input)
         with warnings.catch_warnings(record=True) as caught:
@@ -97,13 +100,14 @@ def test_what_cannot_be_a_graph_warns_once_by_default_and_raises_with_cuda_graph
                 auto(x)
         said = [w for w in caught if "not a CUDA graph" in str(w.message)]
         assert len(said) == 1 and "writes an input in place" in str(said[0].message)
-        assert torch.equal(fetch_shard(x).result(), torch.full((4,), 4.0))
+        written = fetch_shard(x).result()
         with pytest.raises(UsageError, match=r"cuda_graph=True\): writes_its_input cannot be captured.*in place"):
             tdmesh.compile(writes_its_input, cuda_graph=True)(x)
         with pytest.raises(UsageError, match="views an input"):
             tdmesh.compile(lambda t: t[1:], cuda_graph=True)(x)
         with pytest.raises(UsageError, match="tensors on cpu"):
             tdmesh.compile(lambda t: t * torch.ones(4, device="cpu").to("cuda"), cuda_graph=True)(x)
+    assert torch.equal(written, torch.full((4,), 4.0))
 
 
 def _worker(mode: str):
@@ -144,6 +148,19 @@ def test_a_poisoned_input_runs_the_program_instead_of_the_graph():
     assert interp.recordings.modes()[2] == "cuda_graph"
     assert type(interp.env[202]) is Poison and interp.env[202].seq == 4 and sent == []
     assert torch.equal(interp.env[203].cpu(), torch.full((3,), 9.0))
+
+
+def test_a_short_function_is_a_program_by_default_and_a_graph_when_asked(gpu_mesh):
+    with gpu_mesh.activate():
+        one, x = torch.ones(4), torch.zeros(4)
+        short = tdmesh.compile(lambda a: a + one)
+        forced = tdmesh.compile(lambda a: a + one, cuda_graph=True)
+        for _ in range(3):
+            x = forced(short(x))
+        modes = list(tdmesh.call_on_shard_and_fetch(recording_modes).result().values())
+        got = fetch_shard(x).result()
+    assert modes[-2:] == ["program", "cuda_graph"]
+    assert torch.equal(got, torch.full((4,), 6.0))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL inside a graph needs two GPUs")
