@@ -180,13 +180,9 @@ def reduce_many(interp, msg: m.ReduceMany, env: dict) -> None:
             if len(bucket) == 1:
                 _all_reduce_into(bucket[0], msg.reduction, group, n)
                 continue
-            flat = torch.cat([t.reshape(-1) for t in bucket])
+            flat = torch._utils._flatten_dense_tensors(bucket)  # one C++ call each way, not one op per tensor
             _all_reduce(flat, msg.reduction, group, n)
-            offset = 0
-            for t in bucket:
-                k = t.numel()
-                t.copy_(flat[offset:offset + k].view(t.shape))
-                offset += k
+            torch._foreach_copy_(bucket, torch._utils._unflatten_dense_tensors(flat, bucket))
 
 
 def _out_factory(msg: m.Reduce, n: int) -> tuple:
