@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-import pickle
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -27,6 +25,7 @@ from .errors import UsageError, call_site, user_line
 from .issue import New, issue, issue_call
 from .placement import check_inputs, check_no_grad
 from .propagation import SparseMeta
+from .signature import first_difference, signature
 from .stream import get_active_stream
 from .tensor import Tensor, raise_in_op
 
@@ -69,6 +68,7 @@ class _Compiled:
         self.backend = backend
         self.cuda_graph = cuda_graph
         self.warned = False  # the reason a recording is not a CUDA graph is said once
+        self.last: _Recording | None = None
         self.recordings: dict = {}
         self.traces = 0
         functools.update_wrapper(self, fn)
@@ -99,6 +99,8 @@ class _Compiled:
             mode = recording_mode(self.backend, self.cuda_graph, mesh, rec, rec.devices, inputs, self)
             rec.verified = not self.verify
             self.recordings[key] = rec
+            rec.mode = mode
+            self.last = rec
             rec.define(client, mode)
             rec.call(mesh, inputs)
             return outputs
@@ -113,6 +115,18 @@ class _Compiled:
             rec.call(mesh, inputs, again)
             return outputs
         return rec.replay(mesh, inputs)
+
+    @property
+    def recording_id(self) -> int | None:
+        """The workers' id of the latest trace's recording (``tdmesh.worker.builtins.recording_modes``
+        says, per id, how a worker runs it)."""
+        return self.last.id if self.last is not None else None
+
+    @property
+    def mode(self) -> str | None:
+        """How the client asked the workers to run the latest trace: "cuda_graph" (or
+        "cuda_graph_required"), "program" or "messages"."""
+        return self.last.mode if self.last is not None else None
 
     def _trace(self, client, args, kwargs, inputs) -> tuple[_Recording, object]:
         recorder = client.sink = Recorder(client)
@@ -178,6 +192,7 @@ class _Recording:
         self.id = next(_recording_ids)
         self.messages = recorder.messages
         self.verified = False
+        self.mode = "program"
         self.formals = [t.ref for t in inputs]
         defined: list[int] = []
         used: list[int] = []
@@ -227,56 +242,8 @@ class _Recording:
         resize_, set_ or transpose_ outside changes it: the recorded work would be stale)."""
         return all(t._meta is meta or t._meta == meta for t, meta in zip(self.captures, self.capture_metas))
 
-    def signature(self) -> list:
-        """The recording with its refs, borrow ids and seqs numbered by first appearance (the
-        ref fields are those of ``messages.REF_FIELDS``): two traces that send the same
-        operations have equal signatures."""
-        names: dict[int, int] = {}
-        counter = itertools.count()
-
-        def ref(r):
-            return None if r is None else names.setdefault(r, next(counter))
-
-        def norm(x):
-            t = type(x)
-            if t is m.Ref:
-                return ("ref", ref(x.id))
-            if t is tuple or t is list:
-                return tuple(norm(y) for y in x)
-            if t is dict:
-                return tuple((k, norm(v)) for k, v in x.items())
-            if t is bytes:  # sealed arguments of a user function
-                return norm(pickle.loads(x))
-            if isinstance(x, torch.Tensor):
-                return ("tensor", tuple(x.shape), str(x.dtype))
-            return x
-
-        rows = []
-        for ranks, msg, _, _ in self.messages:
-            msg_: Any = msg
-            kinds = m.REF_FIELDS.get(type(msg), {})
-            row: list = [ranks, type(msg).__name__]
-            for field, value in zip(msg_._fields, msg_):
-                kind = kinds.get(field)
-                if field == "seq":
-                    continue
-                if kind in ("def", "use", "borrow"):
-                    row.append(ref(value))
-                elif kind in ("defs", "uses"):
-                    row.append(tuple(ref(r) for r in value))
-                elif field == "function":  # an import path, or a pickled callable: compared as it is
-                    row.append(value)
-                else:
-                    row.append(norm(value))
-            rows.append(tuple(row))
-        return rows
-
     def diverges_from(self, other: _Recording):
-        mine, theirs = self.signature(), other.signature()
-        for i, (a, b) in enumerate(zip(mine, theirs)):
-            if a != b:
-                return i
-        return None if len(mine) == len(theirs) else min(len(mine), len(theirs))
+        return first_difference(signature(self.messages), signature(other.messages))
 
     def define(self, client, mode: str) -> None:
         self.client = client

@@ -7,6 +7,12 @@
 Every worker holds a replica of the model (created under ``mesh.activate()``), draws its own
 batches (each rank seeds its own generator), and after ``loss.backward()`` the gradients are
 averaged over every mesh dim with ``reduce_``: data parallelism written as one program.
+
+The step runs at the fastest path the host has: two eager steps create the gradients and the
+optimizer state, then ``tdmesh.compile`` records the whole step (forward, backward, reduce,
+optimizer) once; each later step is one message per worker, which runs it as a CUDA graph on
+GPU meshes and as one generated function on CPU ones.  ``--eager`` keeps every op dispatched
+from this process instead.  The script says which path the workers took.
 """
 
 import argparse
@@ -29,7 +35,8 @@ def seeded_batch(data, batch_size: int, block_size: int, rank, step: int):
     return get_batch(data, batch_size, block_size, g)
 
 
-def train(mesh: tdmesh.DeviceMesh, steps: int, size: str, batch_size: int, lr: float) -> list[float]:
+def train(mesh: tdmesh.DeviceMesh, steps: int, size: str, batch_size: int, lr: float,
+          eager: bool = False) -> list[float]:
     cfg, tokens = sized(size)
     batch = tdmesh.remote(seeded_batch, propagate=lambda d, b, t, r, s: (
         torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
@@ -45,20 +52,35 @@ def train(mesh: tdmesh.DeviceMesh, steps: int, size: str, batch_size: int, lr: f
             opt = torch.optim.SGD(model.parameters(), lr=lr * 100, momentum=0.9, foreach=True)
         data = torch.tensor(tokens)                   # the corpus, shipped once to every worker
         rank = mesh.rank(mesh.names)
-        start = time.perf_counter()
-        for step in range(steps):
-            x, y = batch(data, batch_size, cfg.block_size, rank, step)
+
+        def train_step(x, y):
             loss = model(x, y)
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=False)  # the gradients stay the same tensors, as a recording needs
             loss.backward()
             # data parallel: average gradients everywhere (one message, bucketed like DDP)
             tdmesh.reduce_([p.grad for p in model.parameters()], mesh.names, "avg")
             opt.step()
+            return loss.detach()
+
+        compiled = tdmesh.compile(train_step)  # cuda_graph: by default wherever the step qualifies
+        start = time.perf_counter()
+        for step in range(steps):
+            x, y = batch(data, batch_size, cfg.block_size, rank, step)
+            loss = train_step(x, y) if eager or step < 2 else compiled(x, y)
             if step % 10 == 0 or step == steps - 1:
-                avg = loss.detach().reduce(mesh.names, "avg")
+                avg = loss.reduce(mesh.names, "avg")
                 losses.append(tdmesh.fetch_shard(avg).result().item())
                 print(f"step {step:4d}  loss {losses[-1]:.4f}  ({time.perf_counter() - start:.1f} s)", flush=True)
+        if eager or steps <= 2:
+            print("path: eager (every op dispatched from this process)")
+        else:
+            modes = tdmesh.call_on_shard_and_fetch(tdmesh.remote("tdmesh.worker.builtins.recording_modes")).result()
+            how = modes.get(compiled.recording_id)
+            print(f"path: tdmesh.compile, the workers run each step as {_PATHS.get(how, how)}")
     return losses
+
+
+_PATHS = {"cuda_graph": "one CUDA graph", "program": "one generated function (a program)"}
 
 
 def main() -> None:
@@ -67,12 +89,13 @@ def main() -> None:
     p.add_argument("--size", choices=("tiny", "small"), default="tiny")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eager", action="store_true", help="dispatch every op from this process (no tdmesh.compile)")
     args = p.parse_args()
     if "RANK" in os.environ:
-        losses = train(tdmesh.world_mesh(), args.steps, args.size, args.batch_size, args.lr)
+        losses = train(tdmesh.world_mesh(), args.steps, args.size, args.batch_size, args.lr, args.eager)
     else:
         with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh:
-            losses = train(mesh, args.steps, args.size, args.batch_size, args.lr)
+            losses = train(mesh, args.steps, args.size, args.batch_size, args.lr, args.eager)
     print(f"loss went from {losses[0]:.4f} to {losses[-1]:.4f}")
     if not losses[-1] < losses[0]:
         sys.exit("the loss did not go down")

@@ -1,0 +1,65 @@
+"""Recording signatures: what ``tdmesh.compile(verify=True)`` compares between two traces."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+from typing import Any
+
+import torch
+
+from . import messages as m
+
+
+def signature(messages) -> list:
+    """A recording's ``(ranks, message, uses, defs)`` list with its refs, borrow ids and seqs
+    numbered by first appearance (the ref fields are those of ``messages.REF_FIELDS``): two
+    traces that send the same operations have equal signatures."""
+    names: dict[int, int] = {}
+    counter = itertools.count()
+
+    def ref(r):
+        return None if r is None else names.setdefault(r, next(counter))
+
+    def norm(x):
+        t = type(x)
+        if t is m.Ref:
+            return ("ref", ref(x.id))
+        if t is tuple or t is list:
+            return tuple(norm(y) for y in x)
+        if t is dict:
+            return tuple((k, norm(v)) for k, v in x.items())
+        if t is bytes:  # sealed arguments of a user function
+            return norm(pickle.loads(x))
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), str(x.dtype))
+        return x
+
+    rows = []
+    for ranks, msg, _, _ in messages:
+        msg_: Any = msg
+        kinds = m.REF_FIELDS.get(type(msg), {})
+        row: list = [ranks, type(msg).__name__]
+        for field, value in zip(msg_._fields, msg_):
+            kind = kinds.get(field)
+            if field == "seq":
+                continue
+            if kind in ("def", "use", "borrow"):
+                row.append(ref(value))
+            elif kind in ("defs", "uses"):
+                row.append(tuple(ref(r) for r in value))
+            elif field == "function":  # an import path, or a pickled callable: compared as it is
+                row.append(value)
+            else:
+                row.append(norm(value))
+        rows.append(tuple(row))
+    return rows
+
+
+
+def first_difference(mine: list, theirs: list) -> int | None:
+    """The index of the first operation where two signatures differ (None: they are equal)."""
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            return i
+    return None if len(mine) == len(theirs) else min(len(mine), len(theirs))
