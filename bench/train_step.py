@@ -37,6 +37,7 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--inductor", action="store_true", help="also backend='inductor' (compiles for a while)")
     args = p.parse_args(argv)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if args.device == "cpu":
@@ -110,11 +111,15 @@ def main(argv=None) -> None:
         # compiled variants, each continuing the training: a generated program per worker, and on
         # CUDA that program captured as a CUDA graph; the first two calls (trace, definition,
         # warm-up and capture) are timed apart from the steps
-        variants = [("tdmesh compiled", False)] + ([("  + CUDA graph", True)] if mesh.device_type == "cuda" else [])
+        cuda = mesh.device_type == "cuda"
+        variants = [("tdmesh compiled", "program", False)] + ([("  + CUDA graph", "program", True)] if cuda else [])
+        if args.inductor:
+            variants += [("tdmesh inductor", "inductor", False)] + (
+                [("  + CUDA graph", "inductor", True)] if cuda else [])
         compiled: list = []
         first = 3 + args.steps
-        for label, graph in variants:
-            fn = tdmesh.compile(step, cuda_graph=graph)
+        for label, backend, graph in variants:
+            fn = tdmesh.compile(step, backend=backend, cuda_graph=graph)
             start = time.perf_counter()
             for i in range(2):
                 loss = fn(*batch(data, args.batch_size, cfg.block_size, rank, first + i))

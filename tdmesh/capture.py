@@ -68,7 +68,8 @@ def recording_mode(backend: str, cuda_graph: bool | None, mesh, rec, devices: se
     if blocker is None and not cuda_graph and ops < MIN_GRAPH_OPS:
         return backend  # too short to gain from a graph: a program, and nothing to warn about
     if blocker is None:
-        return "cuda_graph_required" if cuda_graph else "cuda_graph"
+        graph = "cuda_graph_required" if cuda_graph else "cuda_graph"
+        return graph if backend == "program" else f"{backend}+{graph}"
     if cuda_graph:
         raise UsageError(f"tdmesh.compile(cuda_graph=True): {compiled.__name__} cannot be captured as a CUDA graph: "
                          f"{blocker}\n  at {user_line()}")

@@ -143,7 +143,7 @@ class DefineRecording(NamedTuple):
     results: tuple[int, ...]
     chunk: int
     total: int
-    mode: str = "program"     # "program": run as one generated function where it can; "messages": message by message
+    mode: str = "program"     # "messages" | "program" | "inductor", "[inductor+]cuda_graph[_required]": tdmesh.capture
 
 
 class CallRecording(NamedTuple):

@@ -48,9 +48,11 @@ class GraphedProgram:
 
     @property
     def mode(self) -> str:
+        inner = self.program.mode  # "program", or "inductor"
+        prefix = "inductor+" if inner == "inductor" else ""
         if self.graph is not None:
-            return "cuda_graph"
-        return f"program: capture failed ({self.failed})" if self.failed else "program (not captured yet)"
+            return prefix + "cuda_graph"
+        return f"{inner}: capture failed ({self.failed})" if self.failed else f"{inner} (not captured yet)"
 
     def call(self, call: m.CallRecording, stream: Stream) -> None:
         program = self.program

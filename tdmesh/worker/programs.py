@@ -67,9 +67,11 @@ class Program:
     """One recording of this rank as a generated function ``run(env, actuals, results) -> bool``
     (False: an input is poisoned, nothing ran)."""
 
-    def __init__(self, rec, interp) -> None:
+    def __init__(self, rec, interp, inductor: bool = False) -> None:
         self.recording = rec.id
         self.interp = interp
+        self.inductor = inductor
+        self.mode = "inductor" if inductor else "program"
         streams = {s for s in (_stream_of(c) for c in rec.commands) if s is not None}
         if len(streams) != 1:
             raise Unsupported(f"the recording uses {len(streams)} streams")
@@ -82,40 +84,54 @@ class Program:
         self._deleted: set[int] = set()
         self.consts: dict[str, Any] = {"P": Poison, "one": _one, "many": _many, "interp": interp,
                                        "reduce": collectives.reduce, "reduce_many": collectives.reduce_many}
+        if inductor:  # collectives run as they are, between compiled graphs (dynamo does not trace them)
+            import torch._dynamo
+            self.consts["reduce"] = torch._dynamo.disable(collectives.reduce)
+            self.consts["reduce_many"] = torch._dynamo.disable(collectives.reduce_many)
         body: list[str] = []
         self.step_of_line: dict[int, int] = {}
         self.defined_before: list[list[tuple[int, str]]] = []  # per step: (ref, local) defined by earlier steps
+        self.mutated: list[int] = []  # every ref the recording writes in place
         defined: list[tuple[int, str]] = []
         for index, c in enumerate(rec.commands):
             lines = self._step(c, index, interp)
             self.defined_before.append(list(defined))
             for line in lines:
                 body.append(line)
-                self.step_of_line[len(body)] = index  # body line numbers; made source lines below
+                self.step_of_line[len(body) + 1] = index  # source line: "def body" is line 1
             for ref in _defs(c):
                 defined.append((ref, self._names[ref]))
-        ends = []
+            if type(c) is not m.DeleteRefs:
+                self.mutated.extend(_failure_targets(c, interp)[1])
+        outs: list[str] = []
+        ends: list[str] = []
         for i, ref in enumerate(rec.results):
             if ref not in self._names or all(r != ref for r, _ in defined):
                 raise Unsupported(f"result ref {ref} is not defined by the recording")
-            ends.append(f"env[R[{i}]] = {self._names[ref]}")
+            ends.append(f"env[R[{i}]] = o[{len(outs)}]")
+            outs.append(self._names[ref])
         for ref in dict.fromkeys(r for r, _ in defined):
             if ref in self._formals:  # an input rebound inside: the call's actual ref sees it
-                ends.append(f"env[A[{self._formals[ref]}]] = {self._names[ref]}")
-        header = ["def program(env, A, R):", *self._loads]
+                ends.append(f"env[A[{self._formals[ref]}]] = o[{len(outs)}]")
+                outs.append(self._names[ref])
+        inputs = ", ".join(self._inputs)
+        # body(inputs) -> outputs is the straight-line code (what inductor compiles); program reads
+        # the inputs from the ref table, checks them, and writes the outputs back
+        lines = [f"def body({inputs}):", *body, "return (" + "".join(f"{o}, " for o in outs) + ")", "",
+                 "def program(env, A, R):", *self._loads]
         if self._inputs:
-            header.append("if " + " or ".join(f"type({v}) is P" for v in self._inputs) + ": return False")
-        offset = len(header) + 1  # line numbers are 1-based: body line k is line k + offset - 1
-        self.step_of_line = {k + offset - 1: step for k, step in self.step_of_line.items()}
-        self.first_step_line = offset
-        source = "\n    ".join(header + body + ends + ["return True"]) + "\n"
+            lines.append("if " + " or ".join(f"type({v}) is P" for v in self._inputs) + ": return False")
+        self.body_line = len(lines) + 1
+        lines += [f"o = body({inputs})", *ends, "return True"]
+        source = "".join((ln if ln.startswith("def ") or not ln else "    " + ln) + "\n" for ln in lines)
         self.source = source
-        filename = f"<tdmesh program {rec.id}>"
-        exec(compile(source, filename, "exec"), self.consts)  # noqa: S102
+        exec(compile(source, f"<tdmesh program {rec.id}>", "exec"), self.consts)  # noqa: S102
         self.run: Callable[[dict, tuple, tuple], bool] = self.consts["program"]
+        self.code = self.consts["body"].__code__
+        if inductor:
+            self.consts["body"] = torch.compile(self.consts["body"], dynamic=False)
         self.capture_refs = [r for r in self._input_refs if r not in self._formals]
         self.result_count = len(rec.results)
-        self.code = self.run.__code__
 
     # -- building --------------------------------------------------------------------------
     def _use(self, ref: int) -> str:
@@ -149,6 +165,11 @@ class Program:
         targets = ", ".join(self._define(r) for r in results)
         return [f"{targets}, = many({call}, {len(results)})"]
 
+    def _callable(self, fn):
+        """An aten OpOverload's C++ callable (its ``__call__`` is one Python frame around it:
+        0.15 us an op); inductor's dynamo traces the OpOverload itself."""
+        return fn._op if isinstance(fn, torch._ops.OpOverload) and not self.inductor else fn
+
     def _const(self, value) -> str:
         name = f"k{len(self.consts)}"
         self.consts[name] = value
@@ -164,7 +185,7 @@ class Program:
             for r in mutates:
                 self._use(r)
             names = [self._use(r) for r in refs]
-            call = call_source(self._const(_direct(op.fn)), op.args, op.kwargs, names.__getitem__, self.consts)
+            call = call_source(self._const(self._callable(op.fn)), op.args, op.kwargs, names.__getitem__, self.consts)
             return self._bind(results, call)
         if t is m.CallFunction:
             if type(c.args) is bytes or c.process_groups:
@@ -178,7 +199,7 @@ class Program:
             for r in c.mutates:
                 self._use(r)
             names = [self._use(r) for r in slotted]
-            return self._bind(c.results, call_source(self._const(_direct(fn)), args, kwargs, names.__getitem__,
+            return self._bind(c.results, call_source(self._const(self._callable(fn)), args, kwargs, names.__getitem__,
                                                      self.consts))
         if t is m.Reduce:
             scratch = ", ".join(f"{r}: {self._use(r)}" for r in (c.tensor, c.out) if r is not None)
@@ -213,6 +234,8 @@ class Program:
         except ProtocolViolation:
             raise  # a broken message (an unknown group, ...): the worker stops, as message by message
         except Exception as e:  # noqa: BLE001 - the op's own failure: reported as its message would be
+            if self.inductor and self._in_body(e):
+                return self._fail_whole(call, env, e)
             failed, error, state = self._where(e)
         commands, temporaries, names = interp.recordings.expand(call)
         start = 0
@@ -230,6 +253,18 @@ class Program:
         for ref in temporaries:
             env.pop(ref, None)
 
+    def _in_body(self, error: BaseException) -> bool:
+        tb = error.__traceback__
+        while tb is not None and tb.tb_frame.f_code is not self.run.__code__:
+            tb = tb.tb_next
+        return tb is not None and tb.tb_lineno == self.body_line
+
+    def _fail_whole(self, call: m.CallRecording, env: dict, error: BaseException) -> None:
+        """A compiled (fused) body fails as one op: every result and everything it writes."""
+        _, _, names = self.interp.recordings.expand(call)
+        mutated = tuple(dict.fromkeys(names.get(r, r) for r in self.mutated))
+        self.interp.fail(env, call.seq, call.results, mutated, error, "a compiled function (inductor)")
+
     def _where(self, error: BaseException) -> tuple[int | None, BaseException | None, dict]:
         """The step that raised ``error`` and the program's locals then (None: reading an input)."""
         tb = error.__traceback__
@@ -241,12 +276,6 @@ class Program:
         if step is None:
             return None, None, {}
         return step, error, dict(tb.tb_frame.f_locals)
-
-
-def _direct(fn):
-    """An aten OpOverload's C++ callable (its ``__call__`` is one Python frame around it:
-    0.15 us an op, on a path that runs nothing else in Python)."""
-    return fn._op if isinstance(fn, torch._ops.OpOverload) else fn
 
 
 def _defs(c) -> list[int]:

@@ -98,10 +98,12 @@ class Recordings:
             if rec.mode == "messages":
                 rec.unsupported = "compiled with backend='messages'"
             else:
+                backend, _, graph = rec.mode.partition("+") if "+" in rec.mode else (
+                    (rec.mode, "", "") if rec.mode in ("program", "inductor") else ("program", "", rec.mode))
                 try:
-                    rec.program = Program(rec, interp)
-                    if rec.mode.startswith("cuda_graph") and interp.device.type == "cuda":
-                        rec.program = GraphedProgram(rec.program, required=rec.mode == "cuda_graph_required")
+                    rec.program = Program(rec, interp, inductor=backend == "inductor")
+                    if graph.startswith("cuda_graph") and interp.device.type == "cuda":
+                        rec.program = GraphedProgram(rec.program, required=graph == "cuda_graph_required")
                 except Unsupported as e:
                     rec.unsupported = str(e)
                     log.debug("recording %s replays message by message: %s", rec.id, e)

@@ -2,6 +2,8 @@
 backward, bucketed reduce, foreach SGD with momentum) gives the losses of the same steps run eagerly, bit
 for bit on CPU, whether each rank runs it as a program or message by message."""
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -102,3 +104,25 @@ def test_cuda_graph_true_needs_a_cuda_mesh_and_a_program(mesh1):
             fn(torch.ones(2))
         auto = tdmesh.compile(lambda x: x * 2)  # the default: a program, silently, on CPU meshes
         assert torch.equal(fetch_shard(auto(torch.ones(2))).result(), torch.full((2,), 2.0))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU kernels need a C++ compiler")
+def test_inductor_compiles_each_workers_program_and_an_error_fails_the_whole_call(mesh1):
+    with mesh1.activate():
+        @tdmesh.compile(backend="inductor")
+        def fn(a, d):
+            return (a // d + 1) * 3, a * 2
+
+        a = torch.arange(6)
+        ok = fn(a, torch.full((6,), 2, dtype=torch.int64))  # compiles on the worker (seconds, once)
+        bad = fn(a, torch.zeros(6, dtype=torch.int64))
+        again = fn(a, torch.ones(6, dtype=torch.int64))
+        modes = tdmesh.call_on_shard_and_fetch(recording_modes).result()
+        assert modes[fn.recording_id] == "inductor" and fn.mode == "inductor"
+        assert torch.equal(fetch_shard(ok[0]).result(), (a // 2 + 1) * 3)
+        for out in bad:  # one fused call: all of its outputs fail together
+            with pytest.raises(tdmesh.RemoteException, match="ZeroDivisionError"):
+                fetch_shard(out).result()
+        assert torch.equal(fetch_shard(again[0]).result(), (a + 1) * 3)
+        assert torch.equal(fetch_shard(again[1]).result(), a * 2)

@@ -30,7 +30,7 @@ def gpu_mesh():
         yield mesh
 
 
-def _train(mesh, steps: int, cuda_graph) -> tuple[list[float], dict]:
+def _train(mesh, steps: int, cuda_graph, backend: str = "program") -> tuple[list[float], dict]:
     with mesh.activate():
         tdmesh.random.set_manual_seed_remote(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
@@ -48,7 +48,7 @@ def _train(mesh, steps: int, cuda_graph) -> tuple[list[float], dict]:
 
         for x, y in batches[:2]:
             step(x, y)
-        run = step if cuda_graph is None else tdmesh.compile(step, cuda_graph=cuda_graph)
+        run = step if cuda_graph is None else tdmesh.compile(step, backend=backend, cuda_graph=cuda_graph)
         losses = [fetch_shard(run(x, y)).result() for x, y in batches[2:]]
         modes = tdmesh.call_on_shard_and_fetch(recording_modes).result()
     return [float(v) for v in losses], modes
@@ -62,6 +62,16 @@ def test_a_training_step_as_a_cuda_graph_gives_the_eager_losses(gpu_mesh):
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=0)
     torch.testing.assert_close(program, eager, rtol=1e-5, atol=0)
     assert eager[-1] < eager[0]
+
+
+def test_inductor_programs_alone_and_inside_a_cuda_graph_train_like_eager(gpu_mesh):
+    eager, _ = _train(gpu_mesh, 22, None)
+    fused, modes = _train(gpu_mesh, 22, False, backend="inductor")
+    assert list(modes.values())[-1] == "inductor"
+    graphed, modes = _train(gpu_mesh, 22, True, backend="inductor")
+    assert list(modes.values())[-1] == "inductor+cuda_graph"
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-5)  # fused kernels round differently
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
 
 
 def test_results_are_fresh_tensors_and_inputs_are_read_each_call(gpu_mesh):
