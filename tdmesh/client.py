@@ -64,7 +64,7 @@ class Client:
         device = hellos[self.ranks[0]].device
         self.device = torch.device("cuda", 0) if device.startswith("cuda") else torch.device("cpu")
         self.device_type = self.device.type
-        self._next_ref = 1
+        self.next_ref = 1
         self._next_seq = 0
         self._buffers: dict[int, list[bytes]] = {r: [] for r in self.ranks}
         self._buffered_bytes = 0
@@ -96,8 +96,9 @@ class Client:
 
     # -- ids -------------------------------------------------------------------------------
     def new_ref(self) -> int:
-        ref = self._next_ref
-        self._next_ref = ref + 1
+        """Refs only grow: a ref >= ``next_ref`` now is one made from now on (see recording.py)."""
+        ref = self.next_ref
+        self.next_ref = ref + 1
         return ref
 
     def new_seq(self) -> int:

@@ -43,6 +43,7 @@ class Recorder:
         self.messages: list[tuple[tuple, object, list, list]] = []
         self.created: list = []  # weakrefs to the RefOwners made while tracing
         self.devices: set[str] = set()  # the device types of the tensors it made
+        self.first_ref = client.next_ref  # refs from here on are made by the trace
         self.seen: dict[int, Tensor] = {}  # every tensor an op read while tracing, by ref
 
     def submit(self, ranks, msg, seq=None, uses=(), defs=(), future=None, inputs=(), deletes_first=False,
@@ -202,7 +203,9 @@ class _Recording:
             defined.extend(defs)
             if type(msg) is m.CallFunction or type(msg) is m.CallOp:
                 mutated.extend(msg.mutates)
-        self.defined = set(defined) - set(self.formals)
+        # defined inside: refs the trace made (a def of an older ref is a write to a tensor
+        # from outside: a captured parameter an optimizer updates is a capture, and mutated)
+        self.defined = {r for r in defined if r >= recorder.first_ref} - set(self.formals)
         formal_set = set(self.formals)
         self.capture_refs = [r for r in dict.fromkeys(used) if r not in self.defined and r not in formal_set]
         # keep captured tensors alive (and checkable) for as long as the recording exists

@@ -85,9 +85,9 @@ class Program:
         self.consts: dict[str, Any] = {"P": Poison, "one": _one, "many": _many, "interp": interp,
                                        "reduce": collectives.reduce, "reduce_many": collectives.reduce_many}
         if inductor:  # collectives run as they are, between compiled graphs (dynamo does not trace them)
-            import torch._dynamo
-            self.consts["reduce"] = torch._dynamo.disable(collectives.reduce)
-            self.consts["reduce_many"] = torch._dynamo.disable(collectives.reduce_many)
+            from torch import _dynamo
+            self.consts["reduce"] = _dynamo.disable(collectives.reduce)
+            self.consts["reduce_many"] = _dynamo.disable(collectives.reduce_many)
         body: list[str] = []
         self.step_of_line: dict[int, int] = {}
         self.defined_before: list[list[tuple[int, str]]] = []  # per step: (ref, local) defined by earlier steps
@@ -167,8 +167,18 @@ class Program:
 
     def _callable(self, fn):
         """An aten OpOverload's C++ callable (its ``__call__`` is one Python frame around it:
-        0.15 us an op); inductor's dynamo traces the OpOverload itself."""
-        return fn._op if isinstance(fn, torch._ops.OpOverload) and not self.inductor else fn
+        0.15 us an op); inductor's dynamo traces the OpOverload itself, except the fused
+        optimizer kernels, which run as they are between graphs (functionalizing their in-place
+        writes to captured parameters fails inside torch 2.11-2.13: "mutating a non-functional
+        tensor with a functional tensor")."""
+        if not isinstance(fn, torch._ops.OpOverload):
+            return fn
+        if not self.inductor:
+            return fn._op
+        if fn._schema.name.startswith("aten::_fused_"):
+            from torch import _dynamo
+            return _dynamo.disable(fn)
+        return fn
 
     def _const(self, value) -> str:
         name = f"k{len(self.consts)}"

@@ -107,6 +107,9 @@ class Recordings:
                 except Unsupported as e:
                     rec.unsupported = str(e)
                     log.debug("recording %s replays message by message: %s", rec.id, e)
+                except Exception as e:  # noqa: BLE001 - a program that cannot be built is a slower replay, not a dead worker
+                    rec.unsupported = f"making its program failed: {type(e).__name__}: {e}"
+                    log.warning("recording %s replays message by message: %s", rec.id, rec.unsupported)
         return rec.program
 
     def modes(self) -> dict[int, str]:

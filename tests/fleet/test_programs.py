@@ -126,3 +126,24 @@ def test_inductor_compiles_each_workers_program_and_an_error_fails_the_whole_cal
                 fetch_shard(out).result()
         assert torch.equal(fetch_shard(again[0]).result(), (a + 1) * 3)
         assert torch.equal(fetch_shard(again[1]).result(), a * 2)
+
+
+def test_a_failed_write_to_a_captured_tensor_fails_its_later_reads_on_the_client(mesh1):
+    """A captured tensor the function writes in place (a parameter an optimizer updates) is a
+    capture that the call mutates, not a ref the recording defines: the client keeps it alive
+    and a failed write fails what reads it later with the remote error."""
+    with mesh1.activate():
+        w = torch.zeros(4, dtype=torch.int64)
+
+        @tdmesh.compile
+        def update(x, d):
+            w.add_(x // d)  # integer division by zero raises on the worker
+            return x + 1
+
+        x = torch.arange(4)
+        update(x, torch.ones(4, dtype=torch.int64))
+        update(x, torch.ones(4, dtype=torch.int64))
+        assert torch.equal(fetch_shard(w).result(), 2 * x)
+        update(x, torch.zeros(4, dtype=torch.int64))
+        with pytest.raises(tdmesh.RemoteException, match="ZeroDivisionError"):
+            fetch_shard(w * 1).result()
