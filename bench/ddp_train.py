@@ -54,13 +54,7 @@ def main() -> None:
         g.manual_seed(1000 * rank + step)
         x, y = get_batch(data, args.batch_size, cfg.block_size, g)
         start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-            loss = ddp(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize()
+        loss = _step(ddp, opt, x, y, args.dtype, device)
         if step >= 3:
             times.append(time.perf_counter() - start)
     final_loss = loss.item()  # the steps the tdmesh run also takes (the profiled step below is one more)
@@ -70,12 +64,7 @@ def main() -> None:
 
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-                loss = ddp(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            torch.cuda.synchronize()
+            _step(ddp, opt, x, y, args.dtype, device)
         if rank == 0:
             path = os.path.join(tempfile.mkdtemp(), "ddp.trace.json")
             prof.export_chrome_trace(path)
@@ -98,6 +87,18 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def _step(ddp, opt, x, y, dtype: str, device: torch.device):
+    """One synchronised DDP step (bf16: autocast around the forward); its loss."""
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        loss = ddp(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return loss
+
+
 def _reduce_overhead(args, cfg, data, device, rank) -> None:
     """The same training as DDP under torch.compile(mode="reduce-overhead"), from the same weights."""
     torch.manual_seed(0)
@@ -116,12 +117,7 @@ def _reduce_overhead(args, cfg, data, device, rank) -> None:
         x, y = get_batch(data, args.batch_size, cfg.block_size, g)
         t = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-            loss = ddp(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        torch.cuda.synchronize()
+        loss = _step(ddp, opt, x, y, args.dtype, device)
         if step >= 3:
             times.append(time.perf_counter() - t)
     if rank == 0:

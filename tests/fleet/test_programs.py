@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _training import data_parallel_step
 
 import tdmesh
 from tdmesh import fetch_shard, remote
@@ -23,13 +23,7 @@ def _train(mesh, steps: int, backend: str | None) -> list[float]:
         rank = mesh.rank(mesh.names).float()
         batches = [(torch.randn(8, 6) + rank, (torch.arange(8) + i) % 3) for i in range(steps)]
 
-        def step(x, y):
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=False)
-            loss.backward()
-            tdmesh.reduce_([p.grad for p in model.parameters()], mesh.names, "avg")
-            opt.step()
-            return loss.detach()
+        step = data_parallel_step(model, opt, mesh)
 
         for x, y in batches[:2]:  # creates the gradients and the optimizer's state
             step(x, y)

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _training import data_parallel_step
 
 import tdmesh
 from tdmesh import fetch_shard, remote
@@ -38,13 +38,7 @@ def _train(mesh, steps: int, cuda_graph, backend: str = "program") -> tuple[list
         xs = [torch.randn(16, 32) for _ in range(steps)]
         batches = [(x, x[:, :10].argmax(1)) for x in xs]  # a rule it can learn
 
-        def step(x, y):
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=False)
-            loss.backward()
-            tdmesh.reduce_([p.grad for p in model.parameters()], mesh.names, "avg")
-            opt.step()
-            return loss.detach()
+        step = data_parallel_step(model, opt, mesh)
 
         for x, y in batches[:2]:
             step(x, y)
