@@ -25,9 +25,9 @@ _GRAPHABLE = (m.CallOp, m.CallFunction, m.Reduce, m.ReduceMany, m.DeleteRefs)
 MIN_GRAPH_OPS = 10
 
 
-def graph_blocker(rec, devices: set[str], inputs) -> str | None:
-    """Why recording ``rec`` (a ``recording._Recording``) cannot be a CUDA graph, or None.
-    ``devices``: the device types of every tensor the trace made; ``inputs``: the call's tensors."""
+def graph_blocker(rec, inputs) -> str | None:
+    """Why recording ``rec`` (a ``recording._Recording``) cannot be a CUDA graph, or None;
+    ``inputs``: the traced call's tensors."""
     streams = set()
     for _, msg, _, _ in rec.messages:
         t = type(msg)
@@ -39,7 +39,7 @@ def graph_blocker(rec, devices: set[str], inputs) -> str | None:
             streams.add(msg[5] if t is m.CallOp else msg.stream)
     if len(streams) > 1:
         return f"it uses {len(streams)} streams"
-    others = sorted((devices | {t.device.type for t in list(inputs) + rec.captures}) - {"cuda"})
+    others = sorted((rec.devices | {t.device.type for t in list(inputs) + rec.captures}) - {"cuda"})
     if others:
         return f"it uses tensors on {', '.join(others)} (a CUDA graph replays GPU work only)"
     written = [r for r in rec.mutated_outside if r in rec.formal_index]
@@ -51,7 +51,7 @@ def graph_blocker(rec, devices: set[str], inputs) -> str | None:
     return None
 
 
-def recording_mode(backend: str, cuda_graph: bool | None, mesh, rec, devices: set[str], inputs, compiled) -> str:
+def recording_mode(backend: str, cuda_graph: bool | None, mesh, rec, inputs, compiled) -> str:
     """The DefineRecording mode of a new trace.  ``cuda_graph=None`` captures a graph on CUDA
     meshes where the recording qualifies and holds ``MIN_GRAPH_OPS`` ops or more, and says once
     (a warning) why not where it does not qualify;
@@ -63,7 +63,7 @@ def recording_mode(backend: str, cuda_graph: bool | None, mesh, rec, devices: se
             raise UsageError(f"tdmesh.compile(cuda_graph=True) needs a CUDA mesh; this one is on "
                              f"{mesh.device_type}\n  at {user_line()}")
         return backend
-    blocker = graph_blocker(rec, devices, inputs)
+    blocker = graph_blocker(rec, inputs)
     ops = sum(type(msg) is not m.DeleteRefs for _, msg, _, _ in rec.messages)
     if blocker is None and not cuda_graph and ops < MIN_GRAPH_OPS:
         return backend  # too short to gain from a graph: a program, and nothing to warn about

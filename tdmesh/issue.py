@@ -128,11 +128,12 @@ def issue_op(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> li
     return proxies
 
 
-def issue_call(mesh, recording: int, inputs: Sequence[Tensor], outputs: Sequence[tuple], uses: list[int],
+def issue_call(mesh, recording: int, inputs: Sequence[Tensor], outputs: Sequence[tuple], captures: Sequence[int],
                defs: list[int], ranks, stream: Stream) -> list[Tensor]:
     """Issue one call of a compiled function (a CallRecording): ``outputs`` are its new
     results as (dense meta, index of the input whose storage it views or None, stream,
-    device, mesh).  :func:`issue`'s work for this one shape of op, the hot path of replays."""
+    device, mesh); ``captures`` the refs it reads besides its inputs, ``defs`` those it writes.
+    :func:`issue`'s work for this one shape of op, the hot path of replays."""
     client = mesh.client
     with client.lock:
         made = []
@@ -142,9 +143,11 @@ def issue_call(mesh, recording: int, inputs: Sequence[Tensor], outputs: Sequence
             made.append(new_proxy(meta, device, out_mesh, ref,
                                   inputs[source]._r.aliases if source is not None else AliasSet(), out_stream))
             refs.append(ref)
+        actuals = [t._r.id for t in inputs]
         seq = client.new_seq()
-        msg = _tuple_new(CallRecording, (seq, recording, tuple(uses[:len(inputs)]), tuple(refs)))
-        client.sink.submit(ranks, msg, seq, uses, refs + defs, None, inputs, False, made, call_site(2))
+        msg = _tuple_new(CallRecording, (seq, recording, tuple(actuals), tuple(refs)))
+        actuals.extend(captures)
+        client.sink.submit(ranks, msg, seq, actuals, refs + defs, None, inputs, False, made, call_site(2))
     return made
 
 

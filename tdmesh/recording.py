@@ -97,7 +97,7 @@ class _Compiled:
             rec = None
         if rec is None:
             rec, outputs = self._trace(client, args, kwargs, inputs)
-            mode = recording_mode(self.backend, self.cuda_graph, mesh, rec, rec.devices, inputs, self)
+            mode = recording_mode(self.backend, self.cuda_graph, mesh, rec, inputs, self)
             rec.verified = not self.verify
             self.recordings[key] = rec
             rec.mode = mode
@@ -220,7 +220,7 @@ class _Recording:
         self.outputs: list[tuple] = []
         self.results = []
         self.result_alias_ids: list[int] = []  # the storage of each result, for capture.graph_blocker
-        self.devices = recorder.devices
+        self.devices = recorder.devices  # the device types of the tensors the trace made
         input_aliases = [t._r.aliases for t in inputs]
         for o in out_flat:
             if type(o) is not Tensor:
@@ -266,10 +266,7 @@ class _Recording:
         """One CallRecording on this recording's ranks: ``outputs`` are the new proxies of a
         replay, ``traced`` the refs of a traced call's own outputs instead."""
         actual_refs = [t.ref for t in inputs]
-        mutated: list[int] = []
-        for r in self.mutated_outside:  # every alias of what the call writes, as the aliases are now
-            owner = inputs[self.formal_index[r]] if r in self.formal_index else self.capture_of.get(r)
-            mutated.extend(owner._r.aliases.refs if owner is not None else [r])
+        mutated = self._written(inputs)
         call = (self.id, tuple(actual_refs))
 
         def build(seq, new_refs, _mutated):
@@ -277,6 +274,14 @@ class _Recording:
 
         return issue(mesh, build, outputs=outputs, ranks=self.ranks, uses=actual_refs + self.capture_refs,
                      defs=list(traced) + mutated)
+
+    def _written(self, inputs: Sequence[Tensor]) -> list[int]:
+        """Every alias of what a call with ``inputs`` writes outside, as the aliases are now."""
+        written: list[int] = []
+        for r in self.mutated_outside:
+            owner = inputs[self.formal_index[r]] if r in self.formal_index else self.capture_of.get(r)
+            written.extend(owner._r.aliases.refs if owner is not None else [r])
+        return written
 
     def replay(self, mesh, inputs: Sequence[Tensor]):
         stream = get_active_stream()
@@ -286,13 +291,8 @@ class _Recording:
             check_inputs(self.captures, self.captures[0].mesh, "a compiled function (a captured tensor)", stream)
         if self.dense_results is None:  # a sparse result: the general path
             return self._replay_general(mesh, inputs)
-        mutated: list[int] = []
-        for r in self.mutated_outside:  # every alias of what the call writes, as the aliases are now
-            owner = inputs[self.formal_index[r]] if r in self.formal_index else self.capture_of.get(r)
-            mutated.extend(owner._r.aliases.refs if owner is not None else [r])
-        uses = [t._r.id for t in inputs]
-        uses.extend(self.capture_refs)
-        proxies = issue_call(mesh, self.id, inputs, self.dense_results, uses, mutated, self.ranks, stream)
+        proxies = issue_call(mesh, self.id, inputs, self.dense_results, self.capture_refs, self._written(inputs),
+                             self.ranks, stream)
         if self.single_result:
             return proxies[0]
         it = iter(proxies)

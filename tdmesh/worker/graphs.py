@@ -40,7 +40,7 @@ class GraphedProgram:
         self.program = program
         self.stream = program.stream
         self.required = required
-        self.calls = 0
+        self.warmed = False  # the first call runs the program: cuBLAS, NCCL and the allocator warm up
         self.graph: torch.cuda.CUDAGraph | None = None
         self.failed: str | None = None
         self.static_inputs: list[torch.Tensor] = []
@@ -58,20 +58,18 @@ class GraphedProgram:
         program = self.program
         env = stream.env
         inputs: list = [env.get(a) for a in call.actuals]
-        ready = all(isinstance(v, torch.Tensor) for v in inputs) and all(
-            isinstance(env.get(r), torch.Tensor) for r in program.capture_refs)
-        if not ready or (self.failed is not None and not self.required):
+        if not (all(isinstance(v, torch.Tensor) for v in inputs)
+                and all(isinstance(env.get(r), torch.Tensor) for r in program.capture_refs)):
             return program.call(call, stream)  # poisoned or missing inputs: the program's own semantics
         if self.graph is None:
-            if self.failed is None and self.calls == 0:
-                self.calls = 1
-                return program.call(call, stream)  # warm-up
+            if not self.warmed:
+                self.warmed = True
+                return program.call(call, stream)
             if self.failed is None:
                 try:
                     self._capture(inputs, env)
                 except Exception as e:  # noqa: BLE001 - any capture failure falls back (or fails the call)
                     self.failed = f"{type(e).__name__}: {e}"
-                    self.graph = None
                     log.warning("recording %s runs as a program, not a CUDA graph: its capture failed: %s",
                                 program.recording, self.failed)
             if self.graph is None:

@@ -25,8 +25,8 @@ class DefinedOp:
 
     def __init__(self, msg: m.DefineOp, device: torch.device) -> None:
         self.function = msg.function
-        self.args = _on_device(msg.args, device)
-        self.kwargs = _on_device(msg.kwargs, device)
+        self.args = on_device(msg.args, device)
+        self.kwargs = on_device(msg.kwargs, device)
         self.fn: Callable | None = None
         consts: dict[str, Any] = {}
         slots: set[int] = set()
@@ -55,10 +55,10 @@ def call_source(fn: str, args, kwargs: dict, slot: Callable[[int], str], consts:
         t = type(obj)
         if t is m.Slot:
             return slot(obj.position)
-        if (t is tuple or t is list) and _holds_slot(obj):
+        if (t is tuple or t is list) and holds(obj, m.Slot):
             items = "".join(expr(x) + ", " for x in obj)
             return f"({items})" if t is tuple else f"[{items}]"
-        if t is dict and _holds_slot(obj):
+        if t is dict and holds(obj, m.Slot):
             return "{" + "".join(f"{k!r}: {expr(x)}, " for k, x in obj.items()) + "}"
         name = f"c{len(consts)}"
         consts[name] = obj
@@ -69,27 +69,27 @@ def call_source(fn: str, args, kwargs: dict, slot: Callable[[int], str], consts:
     return f"{fn}({positional}{keywords})"
 
 
-def _on_device(obj, device: torch.device):
+def on_device(obj, device: torch.device):
     """The template with its accelerator devices made this worker's ("cuda" means its own GPU;
     on a CPU worker, the CPU), as ``Interpreter._resolve`` does for CallFunction."""
     t = type(obj)
     if t is torch.device:
         return device if obj.type != "cpu" else obj
     if t is tuple or t is list:
-        return t(_on_device(x, device) for x in obj)
+        return t(on_device(x, device) for x in obj)
     if t is dict:
-        return {k: _on_device(x, device) for k, x in obj.items()}
+        return {k: on_device(x, device) for k, x in obj.items()}
     return obj
 
 
-def _holds_slot(obj) -> bool:
-    t = type(obj)
-    if t is m.Slot:
+def holds(obj, kind: type) -> bool:
+    """Whether ``obj`` is a ``kind`` or holds one in its tuples, lists and dicts."""
+    if type(obj) is kind:
         return True
-    if t is tuple or t is list:
-        return any(_holds_slot(x) for x in obj)
-    if t is dict:
-        return any(_holds_slot(x) for x in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return any(holds(x, kind) for x in obj)
+    if isinstance(obj, dict):
+        return any(holds(x, kind) for x in obj.values())
     return False
 
 

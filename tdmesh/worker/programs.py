@@ -29,7 +29,7 @@ from .. import messages as m
 from ..errors import ProtocolViolation
 from . import collectives
 from .functions import resolve
-from .ops import call_source
+from .ops import call_source, holds, on_device
 from .values import Poison
 
 _PLAIN = (m.CallOp, m.CallFunction, m.Reduce, m.ReduceMany)
@@ -99,10 +99,10 @@ class Program:
             for line in lines:
                 body.append(line)
                 self.step_of_line[len(body) + 1] = index  # source line: "def body" is line 1
-            for ref in _defs(c):
-                defined.append((ref, self._names[ref]))
             if type(c) is not m.DeleteRefs:
-                self.mutated.extend(_failure_targets(c, interp)[1])
+                results, mutates, _ = _failure_targets(c, interp)
+                defined.extend((ref, self._names[ref]) for ref in results if ref is not None)
+                self.mutated.extend(mutates)
         outs: list[str] = []
         ends: list[str] = []
         for i, ref in enumerate(rec.results):
@@ -205,7 +205,8 @@ class Program:
             except Exception as e:  # noqa: BLE001 - replayed message by message, which reports it
                 raise Unsupported(f"function {c.function!r} does not resolve: {e}") from None
             slotted: list[int] = []
-            args, kwargs = _slotted(c.args, slotted, interp.device), _slotted(c.kwargs, slotted, interp.device)
+            args = on_device(_slotted(c.args, slotted), interp.device)
+            kwargs = on_device(_slotted(c.kwargs, slotted), interp.device)
             for r in c.mutates:
                 self._use(r)
             names = [self._use(r) for r in slotted]
@@ -288,17 +289,6 @@ class Program:
         return step, error, dict(tb.tb_frame.f_locals)
 
 
-def _defs(c) -> list[int]:
-    t = type(c)
-    if t is m.CallOp:
-        return [r for r in c[2] if r is not None]
-    if t is m.CallFunction:
-        return [r for r in c.results if r is not None]
-    if t is m.Reduce:
-        return [c.result] if c.result is not None else []
-    return []
-
-
 def _failure_targets(c, interp) -> tuple[tuple, tuple, Any]:
     """(results, mutates, function) that fail when renamed message ``c`` raises."""
     t = type(c)
@@ -312,29 +302,17 @@ def _failure_targets(c, interp) -> tuple[tuple, tuple, Any]:
     return (), c.tensors, "reduce"
 
 
-def _slotted(obj, refs: list[int], device: torch.device):
-    """A CallFunction's arguments as a template: each Ref a Slot (its ref appended to ``refs``),
-    accelerator devices made this worker's; anything a template cannot hold raises Unsupported."""
+def _slotted(obj, refs: list[int]):
+    """A CallFunction's arguments as a template: each Ref a Slot (its ref appended to ``refs``);
+    anything a template cannot hold raises Unsupported."""
     t = type(obj)
     if t is m.Ref:
         refs.append(obj.id)
         return m.Slot(len(refs) - 1)
     if t is tuple or t is list:
-        return t(_slotted(x, refs, device) for x in obj)
+        return t(_slotted(x, refs) for x in obj)
     if t is dict:
-        return {k: _slotted(v, refs, device) for k, v in obj.items()}
-    if t is torch.device:
-        return device if obj.type != "cpu" else obj
-    if t in (m.MeshArg, m.ProcessGroupArg, m.TorchMeshArg) or (isinstance(obj, tuple) and _has_ref(obj)):
+        return {k: _slotted(v, refs) for k, v in obj.items()}
+    if t in (m.MeshArg, m.ProcessGroupArg, m.TorchMeshArg) or (isinstance(obj, tuple) and holds(obj, m.Ref)):
         raise Unsupported(f"a {t.__name__} argument in the recording")
     return obj
-
-
-def _has_ref(obj) -> bool:
-    if type(obj) is m.Ref:
-        return True
-    if isinstance(obj, (tuple, list)):
-        return any(_has_ref(x) for x in obj)
-    if isinstance(obj, dict):
-        return any(_has_ref(x) for x in obj.values())
-    return False

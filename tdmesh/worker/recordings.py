@@ -98,10 +98,9 @@ class Recordings:
             if rec.mode == "messages":
                 rec.unsupported = "compiled with backend='messages'"
             else:
-                backend, _, graph = rec.mode.partition("+") if "+" in rec.mode else (
-                    (rec.mode, "", "") if rec.mode in ("program", "inductor") else ("program", "", rec.mode))
+                graph = rec.mode.split("+")[-1]  # "cuda_graph[_required]" where a graph is asked for
                 try:
-                    rec.program = Program(rec, interp, inductor=backend == "inductor")
+                    rec.program = Program(rec, interp, inductor=rec.mode.startswith("inductor"))
                     if graph.startswith("cuda_graph") and interp.device.type == "cuda":
                         rec.program = GraphedProgram(rec.program, required=graph == "cuda_graph_required")
                 except Unsupported as e:
