@@ -1,13 +1,12 @@
 """The client: owns the connections to one fleet, sends batches, and pumps replies.
 
-This runs in the user's process (the client process; torchrun's rank 0 spawns it).  Ops
-arrive from :func:`tdmesh.issue.issue` at ``sink.submit``: the client itself is the sink,
-except while a compiled function is traced.  Each op is recorded in the dataflow history,
-pickled once and appended to the send buffer of every rank it goes to; buffers go out when
-they grow, when a value is awaited, or shortly after the user stops issuing ops.  A reader
-thread turns worker frames into inbox messages; the user's thread applies them (one
-handler per worker->client message) when it waits (``pump``), so the history needs no lock
-of its own beyond the client's.
+This runs in the user's process (torchrun's rank 0 spawns it).  Ops arrive from
+:func:`tdmesh.issue.issue` at ``sink.submit``: the client is the sink, except while a compiled
+function is traced.  Each op is recorded in the dataflow history, pickled once and appended
+once to the outbox (:mod:`tdmesh.outbox`), which goes out whole to every child (a worker, or a
+host's relay) when it grows, when a value is awaited, or shortly after the user stops issuing
+ops.  A reader thread turns frames into inbox messages; the user's thread applies them (one
+handler per worker->client message) when it waits (``pump``), so the history needs no lock.
 """
 
 from __future__ import annotations
@@ -29,8 +28,9 @@ from .config import ControllerParams, SupervisionParams
 from .errors import DeviceException, ProtocolError, UsageError, call_site, frames, site_text
 from .future import Future
 from .history import History
+from .outbox import Outbox
 from .supervisor import FleetFailure, FleetInfo, Supervisor
-from .transport import Connection, encode
+from .transport import ENTRY, Connection, encode
 
 log = logging.getLogger("tdmesh")
 
@@ -41,39 +41,45 @@ _FLUSH_BYTES = 256 * 1024
 _BARE = (m.CallOp, m.CallRecording)
 _COALESCED_BATCH_BYTES = 16 * 1024
 _dumps = pickle.dumps  # transport.encode, without the call: submit runs once per op
+_pack = ENTRY.pack
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _monotonic = time.monotonic
 _FLUSH_INTERVAL = 0.002
 
 
 class WorkerLost(NamedTuple):
-    """Inbox item: a worker's connection closed; ``why`` says how, where known."""
+    """Inbox item: a child's connection closed (or a relay lost ``ranks``); ``why`` says how."""
     why: str
+    ranks: tuple = ()
 
 
 class Client:
+    """``conns`` are the client's children, keyed by the first rank behind each: a worker, or a
+    host's relay (``relays`` maps those keys to the ranks behind them)."""
+
     def __init__(self, conns: dict[int, Connection], hellos: dict[int, m.Hello], log_dir: str | None = None,
                  on_shutdown: Callable[[], None] | None = None, supervision: SupervisionParams | None = None,
                  controller: ControllerParams | None = None,
-                 process_failure: Callable[[], str | None] | None = None) -> None:
+                 process_failure: Callable[[], str | None] | None = None, relays: dict | None = None) -> None:
         self.lock = threading.RLock()
         self.conns = conns
         self.hellos = hellos
-        self.info = FleetInfo(hellos, log_dir, process_failure)
-        self.ranks = sorted(conns)
+        self.relays = relays or {}
+        self.info = FleetInfo(hellos, log_dir, process_failure, self.relays)
+        self.ranks = sorted(hellos)
+        self.children = sorted(conns)
         device = hellos[self.ranks[0]].device
         self.device = torch.device("cuda", 0) if device.startswith("cuda") else torch.device("cpu")
         self.device_type = self.device.type
         self.next_ref = 1
         self._next_seq = 0
-        self._buffers: dict[int, list[bytes]] = {r: [] for r in self.ranks}
-        self._buffered_bytes = 0
+        self.outbox = Outbox(tuple(self.ranks))
         self._last_flush = time.monotonic()
         self._deletes: dict[object, tuple] = {}   # mesh -> (mesh, [refs]): DeviceMesh hashes by identity
         self._groups: dict = {}                   # CreateGroups key -> id, for keys already sent
         self.op_numbers: dict = {}                # OpPlan -> this client's number for it (DefineOp sent)
         self.sink = self                          # where issued ops go: a Recorder while tracing
-        self.history = History(self.ranks)
+        self.history = History(self.children)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.failure: DeviceException | None = None
         self.closed = False
@@ -91,10 +97,11 @@ class Client:
         self._handlers: dict[type, Callable[[int, Any], None]] = {
             m.Status: self.Status, m.FetchResult: self.FetchResult, m.RemoteFunctionFailed: self.RemoteFunctionFailed,
             WorkerLost: self.WorkerLost, FleetFailure: self.FleetFailure}
+        for key in self.relays:
+            conns[key].send_control(m.RelayConfig(*self.supervision))
         self.send_setup(m.Supervise(self.supervision.heartbeat_interval))
         self.flush()
 
-    # -- ids -------------------------------------------------------------------------------
     def new_ref(self) -> int:
         """Refs only grow: a ref >= ``next_ref`` now is one made from now on (see recording.py)."""
         ref = self.next_ref
@@ -136,19 +143,21 @@ class Client:
                 self.history.add(seq, uses, defs, site if site is not None else call_site(), future)
             # CallOps and CallRecordings travel as bare tuples (see messages.CallOp)
             data = _dumps(tuple(msg) if type(msg) in _BARE else msg, _PROTOCOL)
-            buffers = self._buffers
-            for r in ranks:
-                buffers[r].append(data)
-            self._buffered_bytes += len(data)
+            outbox = self.outbox
+            found = outbox._by_identity.get(id(ranks))  # Outbox.put inlined: once per op
+            set_id = found[1] if found is not None and found[0] is ranks else outbox.set_id(ranks)
+            outbox.log.append(_pack(set_id, len(data)))
+            outbox.log.append(data)
+            outbox.bytes += len(data)
             if seq is not None:
                 self._ops_since_probe += 1
                 if self._ops_since_probe >= self._probe_every:
                     self._queue_probe(seq)  # after the op itself: the probe must not overtake it
             if coalescing.depth():
                 coalescing.clients().add(self)
-                if self._buffered_bytes > _COALESCED_BATCH_BYTES:  # a long block streams: the workers start on it
+                if outbox.bytes > _COALESCED_BATCH_BYTES:  # a long block streams: the workers start on it
                     self.flush()
-            elif self._buffered_bytes > _FLUSH_BYTES or _monotonic() - self._last_flush > _FLUSH_INTERVAL:
+            elif outbox.bytes > _FLUSH_BYTES or _monotonic() - self._last_flush > _FLUSH_INTERVAL:
                 self.flush()
 
     def send_setup(self, msg, ranks=None) -> None:
@@ -156,18 +165,13 @@ class Client:
         compiled function, so it bypasses the sink."""
         with self.lock:
             self.check_usable()
-            data = encode(msg)
-            for r in (self.ranks if ranks is None else ranks):
-                self._buffers[r].append(data)
-            self._buffered_bytes += len(data)
+            self.outbox.put(self.ranks if ranks is None else ranks, encode(msg))
 
     def _queue_probe(self, seq: int) -> None:
         """A RequestStatus after ``seq``: progress for the supervisor and completion for the
         history, so long runs without fetches keep both current (and memory flat)."""
         self._ops_since_probe = 0
-        data = encode(m.RequestStatus(seq))
-        for r in self.ranks:
-            self._buffers[r].append(data)
+        self.outbox.put_all(encode(m.RequestStatus(seq)))
         self.supervisor.probed(seq)
         self._drain_inbox()
 
@@ -225,43 +229,40 @@ class Client:
 
     def delete_refs(self, refs, mesh) -> None:
         with self.lock:
-            for r in refs:
-                self.delete_ref(r, mesh)
+            self._deletes.setdefault(mesh, (mesh, []))[1].extend(() if self.closed else refs)
 
     def _queue_deletes(self) -> None:
         deletes, self._deletes = self._deletes, {}
         for mesh, refs in deletes.values():
             if refs:
                 self.history.forget_refs(refs)
-                data = encode(m.DeleteRefs(tuple(refs)))
-                for r in mesh.rank_list:
-                    self._buffers[r].append(data)
+                self.outbox.put(mesh.rank_list, encode(m.DeleteRefs(tuple(refs))))
 
     def pending_messages(self) -> int:
-        """Messages buffered and not yet sent, over every rank."""
-        return sum(len(b) for b in self._buffers.values())
+        """Messages queued and not yet sent (each once, whatever the ranks it goes to)."""
+        return self.outbox.pending()
 
     def flush(self) -> None:
         with self.lock:
             if self._deletes:
                 self._queue_deletes()
             self._last_flush = time.monotonic()
-            self._buffered_bytes = 0
-            for rank, buf in self._buffers.items():
-                if buf:
-                    payload = b"".join(buf)
-                    buf.clear()
-                    try:
-                        self.conns[rank].send_payload(payload)
-                    except OSError as e:
-                        # A dead process shows first as a broken pipe; the launcher's exit code
-                        # or signal, when it comes within a moment, says more.
-                        self._lost(rank, self.info.exit_reason() or f"sending to it failed: {e}")
+            if not self.outbox.log:
+                return
+            payload = self.outbox.take()
+            for key, conn in self.conns.items():
+                try:
+                    conn.send_payload(payload)
+                except OSError as e:
+                    # A dead process shows first as a broken pipe; the launcher's exit code
+                    # or signal, when it comes within a moment, says more.
+                    self._fail_fleet(self.info.lost(key, self.info.exit_reason() or f"sending to it failed: {e}"))
+            self.outbox.frames += len(self.conns)
 
     def _flush_loop(self) -> None:
         while not self.closed:
             time.sleep(_FLUSH_INTERVAL)
-            if (self._buffered_bytes or self._deletes) and not self._coalescing_held():
+            if (self.outbox.log or self._deletes) and not self._coalescing_held():
                 if self.lock.acquire(timeout=0.05):
                     try:
                         if not self.closed and self.failure is None:
@@ -302,6 +303,14 @@ class Client:
                         continue
                     if t is m.Status:
                         supervisor.status(rank, msg.first_uncompleted)
+                    elif t is m.FetchResult:  # one of a gather's values: which rank's it is matters
+                        self.inbox.put((msg.rank if msg.rank >= 0 else rank, msg))
+                        continue
+                    elif t is m.RanksLost:
+                        if not self.exiting:
+                            why = self.info.exit_reason() or msg.why  # the launcher's account, if it has one
+                            self.inbox.put((msg.ranks[0], WorkerLost(why, msg.ranks)))
+                        continue
                     elif t is m.WorkerFailed:  # at once: its exit must not be reported first
                         self.fail_from_supervisor(self.info.broken_device(msg, self.site_of(msg.seq)))
                         continue
@@ -324,11 +333,9 @@ class Client:
 
     def _apply(self, rank: int, msg) -> None:
         handler = self._handlers.get(type(msg))
-        if handler is None:
-            self._fail_fleet(DeviceException(f"worker rank {rank} {self.info.describe(rank)} sent an unexpected "
-                                             f"{type(msg).__name__}: {msg!r}"))
-        else:
-            handler(rank, msg)
+        if handler is not None:
+            return handler(rank, msg)
+        self._fail_fleet(DeviceException(f"{self.info.name(rank)} sent an unexpected {type(msg).__name__}: {msg!r}"))
 
     # handlers of worker->client messages (and the reader's and supervisor's inbox items)
     def Status(self, rank: int, msg: m.Status) -> None:
@@ -343,7 +350,7 @@ class Client:
 
     def WorkerLost(self, rank: int, msg: WorkerLost) -> None:
         if not self.closed:
-            self._lost(rank, msg.why)
+            self._fail_fleet(self.info.lost(rank, msg.why, msg.ranks))
 
     def FleetFailure(self, rank: int, msg: FleetFailure) -> None:
         self._fail_fleet(msg.error)
@@ -360,9 +367,6 @@ class Client:
             self.failure = exc
         self.inbox.put((-1, FleetFailure(exc)))
 
-    def _lost(self, rank: int, why: str) -> None:
-        self._fail_fleet(self.info.lost(rank, why))
-
     def _fail_fleet(self, exc: DeviceException) -> None:
         if self.failure is None:
             self.failure = exc
@@ -370,7 +374,6 @@ class Client:
             if not fut._finished():
                 fut._set_exception(self.failure)
 
-    # -- fetching --------------------------------------------------------------------------
     def request_status(self, seq: int) -> None:
         """Every rank answers once all it was sent before this has run."""
         self.sink.submit(self.ranks, m.RequestStatus(seq))
@@ -385,10 +388,7 @@ class Client:
             if self.failure is None:
                 with self.lock:
                     self._queue_deletes()
-                    last = encode(m.Detach() if detach else m.Exit(error))
-                    for r in self.ranks:
-                        self._buffers[r].append(last)
-                    self._buffered_bytes = 1
+                    self.outbox.put_all(encode(m.Detach() if detach else m.Exit(error)))
                     self.flush()
                 self._reader.join(timeout)
         finally:

@@ -37,6 +37,12 @@ VARIABLES = {
                                                "progress probes"),
     "TDMESH_FAIL_ON_OPERATION_TIMEOUT": ("0", "ControllerParams.fail_on_operation_timeout: 1 makes a stuck op a "
                                               "DeviceException"),
+    "TDMESH_RELAYS": ("auto", "per-host relays: 'auto' (when the job has more than one rank), '1' or '0' (every rank "
+                              "connects to the client itself); attach mode never uses them"),
+    "TDMESH_FANOUT": ("32", "most children of the client or of one relay in the relay tree (hosts beyond it connect "
+                            "through other hosts' relays)"),
+    "TDMESH_RELAY_HOST": ("", "the address other hosts use to reach this host's relay (default: this host's name, or "
+                              "127.0.0.1 when the name does not resolve)"),
     "TDMESH_TEST_MESH": ("2x2", "tests only: HOSTSxGPUS, the mesh of the collective and stream suites"),
 }
 

@@ -46,8 +46,8 @@ class _HelloUnpickler(pickle.Unpickler):
     built from it: a plain ``pickle.loads`` here would run a stranger's code in the client."""
 
     def find_class(self, module: str, name: str):
-        if (module, name) == (m.Hello.__module__, "Hello"):
-            return m.Hello
+        if module == m.Hello.__module__ and name in ("Hello", "RelayHello"):  # a relay's holds its ranks' Hellos
+            return getattr(m, name)
         raise pickle.UnpicklingError(f"a first frame may only hold a Hello, not {module}.{name}")
 
 
@@ -65,6 +65,25 @@ def _cut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def _ranks_of(hello) -> list | None:
+    """The ranks a hello speaks for: a worker's own, or every rank behind a relay (checked
+    against the Hellos it carries)."""
+    if type(hello) is m.Hello:
+        return [hello.rank]
+    if not (isinstance(hello.first, int) and isinstance(hello.end, int) and isinstance(hello.hellos, tuple)):
+        return None
+    ranks = list(range(hello.first, hello.end))
+    if [getattr(h, "rank", None) for h in hello.hellos] != ranks or not all(type(h) is m.Hello for h in hello.hellos):
+        return None
+    return ranks
+
+
+def _not_open(hello) -> str:
+    if type(hello) is m.RelayHello:
+        return f"the relay of host {hello.host!r} speaks for ranks that are not open in this job"
+    return f"rank {hello.rank!r} is not an open rank of this job"
 
 
 class Gatekeeper:
@@ -124,8 +143,8 @@ class Gatekeeper:
                 return self._refuse(conn, peer, f"{type(e).__name__}: {e}")
             finally:
                 deadline.cancel()
-            if type(hello) is not m.Hello or not hmac.compare_digest(
-                    str(hello.token).encode("utf-8", "replace"), self.token.encode()):
+            if type(hello) not in (m.Hello, m.RelayHello) or not hmac.compare_digest(
+                    str(getattr(hello, "token", "")).encode("utf-8", "replace"), self.token.encode()):
                 return self._refuse(conn, peer, "it did not present this job's token")
             with self._lock:
                 if self._admitting:
@@ -133,7 +152,7 @@ class Gatekeeper:
                     conn.max_frame = DEFAULT_MAX_FRAME  # authenticated: fetches may be large
                     self.arrivals.put((conn, hello, peer))
                     return
-            self._refuse(conn, peer, f"rank {hello.rank!r} is not an open rank of this job")
+            self._refuse(conn, peer, _not_open(hello))
         finally:
             self._checks.release()
 
@@ -144,10 +163,11 @@ class Gatekeeper:
         conn.close()
         return None
 
-    def admit(self, conn: Connection, hello: m.Hello, peer, world_size: int, taken) -> bool:
-        """Whether an authenticated connection gets its rank; refused (and closed) if not."""
-        if not isinstance(hello.rank, int) or not 0 <= hello.rank < world_size or hello.rank in taken:
-            self._refuse(conn, peer, f"rank {hello.rank!r} is not an open rank of this job")
+    def admit(self, conn: Connection, hello, peer, world_size: int, taken) -> bool:
+        """Whether an authenticated connection gets its rank (a relay: its ranks); refused (and closed) if not."""
+        ranks = _ranks_of(hello)
+        if ranks is None or not all(isinstance(r, int) and 0 <= r < world_size and r not in taken for r in ranks):
+            self._refuse(conn, peer, _not_open(hello))
             return False
         return True
 
@@ -163,7 +183,7 @@ class Gatekeeper:
                 conn, hello, peer = self.arrivals.get_nowait()
             except queue.Empty:
                 return
-            self._refuse(conn, peer, f"rank {hello.rank!r} is not an open rank of this job")
+            self._refuse(conn, peer, _not_open(hello))
 
     def close(self) -> None:
         self.closed = True
@@ -183,39 +203,47 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
 
     ``alive()`` returns a reason when the workers can no longer come (a launcher saw them
     die), so startup failures are reported at once instead of after the timeout.
-    Returns (connections, hellos, the gatekeeper that keeps refusing strangers).
+    Each connection is a worker, or a host's relay speaking for several ranks.  Returns
+    (connections by the first rank behind them, every rank's hello, the gatekeeper that
+    keeps refusing strangers, {key: (host, ranks)} of the relays).
     """
     timeout = env_float("TDMESH_CONNECT_TIMEOUT") if timeout is None else timeout
     gate = Gatekeeper(bind)
     conns: dict[int, Connection] = {}
     hellos: dict[int, m.Hello] = {}
+    relays: dict[int, tuple[int, tuple[int, ...]]] = {}
     try:
         if announce is not None:
             announce(host, gate.port, gate.token)
         else:
             publish_controller(store, host, gate.port, gate.token, scope)
         deadline = time.monotonic() + timeout
-        while len(conns) < world_size:
+        while len(hellos) < world_size:
             why = alive()
             if why:
                 raise DeviceException(f"workers failed while starting: {why}")
             if time.monotonic() > deadline:
-                missing = sorted(set(range(world_size)) - set(conns))
+                missing = sorted(set(range(world_size)) - set(hellos))
                 raise DeviceException(f"ranks {missing} did not connect to the client within {timeout:.0f} s")
             try:
                 conn, hello, peer = gate.arrivals.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if gate.admit(conn, hello, peer, world_size, conns):
-                conns[hello.rank] = conn
-                hellos[hello.rank] = hello
+            if gate.admit(conn, hello, peer, world_size, hellos):
+                if type(hello) is m.RelayHello:
+                    conns[hello.first] = conn
+                    hellos.update((h.rank, h) for h in hello.hellos)
+                    relays[hello.first] = (hello.host, tuple(range(hello.first, hello.end)))
+                else:
+                    conns[hello.rank] = conn
+                    hellos[hello.rank] = hello
     except BaseException:
         for conn in conns.values():
             conn.close()
         gate.close()
         raise
     gate.refuse_newcomers()
-    return conns, hellos, gate
+    return conns, hellos, gate, relays
 
 
 class SerialProcesses:

@@ -115,14 +115,14 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
         return describe_failures(processes, log_files)
 
     try:
-        conns, hellos, gate = accept_workers(store, world, host="127.0.0.1", bind="127.0.0.1", scope=scope,
-                                             alive=failed)
+        conns, hellos, gate, relays = accept_workers(store, world, host="127.0.0.1", bind="127.0.0.1",
+                                                     scope=scope, alive=failed)
     except BaseException:
         processes.close()
         raise
     hellos = {r: h._replace(log=log_files.get(r) or h.log) for r, h in hellos.items()}
     client = Client(conns, hellos, log_dir=log_dir, supervision=supervision, controller=controller,
-                    process_failure=failed)
+                    process_failure=failed, relays=relays)
     return Fleet(client, processes, store, log_files, gate)
 
 
@@ -195,8 +195,8 @@ def connect_world() -> Fleet:
     world = int(os.environ["WORLD_SIZE"])
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     store = connect_store()
-    conns, hellos, gate = accept_workers(store, world, host=controller_host(), bind="0.0.0.0")
-    fleet = Fleet(Client(conns, hellos), store=store, gate=gate)
+    conns, hellos, gate, relays = accept_workers(store, world, host=controller_host(), bind="0.0.0.0")
+    fleet = Fleet(Client(conns, hellos, relays=relays), store=store, gate=gate)
     _world = _mesh_for(fleet, world // per_host, per_host)
     return fleet
 
@@ -222,9 +222,10 @@ def attach(endpoint: str, token: str, *, supervision=None, controller=None,
         signature = proof(token, session, my_host, my_port, session_token)
         store.set(f"{scope}/{session}/controller", f"{my_host}|{my_port}|{session_token}|{signature}")
 
-    conns, hellos, gate = accept_workers(store, world, host=controller_host(), bind="0.0.0.0", announce=announce,
-                                         timeout=timeout)
-    fleet = Fleet(Client(conns, hellos, supervision=supervision, controller=controller), store=store, gate=gate)
+    conns, hellos, gate, relays = accept_workers(store, world, host=controller_host(), bind="0.0.0.0",
+                                                 announce=announce, timeout=timeout)
+    fleet = Fleet(Client(conns, hellos, supervision=supervision, controller=controller, relays=relays), store=store,
+                  gate=gate)
     mesh = _mesh_for(fleet, world // per_host, per_host)
     try:
         yield mesh

@@ -17,6 +17,7 @@ import torch
 from . import messages as m
 from .activation import Activation
 from .errors import UsageError
+from .fanout import RankList
 from .grouping import normalize_dims
 from .remote import Remote
 from .shape import Shape
@@ -71,7 +72,7 @@ class DeviceMesh:
         """The global ranks in mesh order (cached: the send path walks it for every op)."""
         ranks = self.__dict__.get("_rank_list")
         if ranks is None:
-            ranks = self.__dict__["_rank_list"] = tuple(self._shape.slice)
+            ranks = self.__dict__["_rank_list"] = RankList(self._shape.slice)
         return ranks
 
     def size(self, dims: None | str | Sequence[str] = None) -> int:

@@ -50,10 +50,9 @@ class DefineOp(NamedTuple):
 
 class CallOp(NamedTuple):
     """Run defined op ``op`` with ``refs`` in its slots; bind and poison as CallFunction.
-
     The hot message of eager dispatch, so it travels as a bare tuple of ints (pickling a
-    NamedTuple costs ~1.3 us more, a fifth of an op's budget): the worker's ``handle``
-    takes a plain tuple of this length as a CallOp, and recordings hold it as this record."""
+    NamedTuple costs ~1.3 us more, a fifth of an op's budget): the worker's ``handle`` takes
+    a plain tuple of this length as a CallOp, and recordings hold it as this record."""
     seq: int
     op: int
     results: tuple[int | None, ...]
@@ -113,12 +112,10 @@ class SendTensor(NamedTuple):
 class CreateGroups(NamedTuple):
     """Sent to every rank, once per key: create the process groups that ``key`` needs.
 
-    ``new_group`` is collective over the world, so every rank creates every group of the
-    key (``grouping.all_groups``) in the client's one order, members or not.
-    kind "dims": the groups over ``dims`` of ``mesh`` for ``stream``; kind "remote": the same,
-    for the user-visible group ``ref``; kind "p2p": one group of all ranks for ``to_mesh``
-    from ``stream`` to ``to_stream``.
-    """
+    ``new_group`` is collective over the world, so every rank creates every group of the key
+    (``grouping.all_groups``) in the client's one order, members or not.  Kind "dims": the
+    groups over ``dims`` of ``mesh`` for ``stream``; "remote": the same, for the user-visible
+    group ``ref``; "p2p": one group of all ranks for ``to_mesh`` from ``stream`` to ``to_stream``."""
     kind: str
     stream: int
     mesh: Any = None
@@ -132,11 +129,9 @@ MAX_COMMANDS_PER_CHUNK = 1000  # messages of one DefineRecording: a recording of
 
 
 class DefineRecording(NamedTuple):
-    """One chunk (``chunk`` of ``total``) of a compiled function's messages for this rank.
-
+    """One chunk (``chunk`` of ``total``) of a compiled function's messages for these ranks.
     ``formals`` and ``results`` are the refs the recorded messages use for the inputs and
-    outputs; every other ref they define is a temporary of one call.
-    """
+    outputs; every other ref they define is a temporary of one call."""
     recording: int
     commands: tuple
     formals: tuple[int, ...]
@@ -147,9 +142,7 @@ class DefineRecording(NamedTuple):
 
 
 class CallRecording(NamedTuple):
-    """Replay ``recording`` with ``actuals`` for its formals, binding ``results``.
-
-    A compiled function's call is one of these, so it travels as a bare tuple as CallOp does."""
+    """Replay ``recording`` with ``actuals`` for its formals, binding ``results`` (a bare tuple, as CallOp)."""
     seq: int
     recording: int
     actuals: tuple[int, ...]
@@ -224,6 +217,7 @@ class FetchResult(NamedTuple):
     seq: int
     value: Any                # pickled bytes of the value, or None when ``error`` is set
     error: Any = None         # a DependentError when the value depends on a failure
+    rank: int = -1            # the rank that sent it (relays forward it unchanged)
 
 
 class RemoteFunctionFailed(NamedTuple):
@@ -248,9 +242,30 @@ class WorkerFailed(NamedTuple):
 
 
 class Status(NamedTuple):
-    """Every seq below ``first_uncompleted`` has finished on ``rank``."""
+    """Every seq below ``first_uncompleted`` has run on ``rank`` (a relay's: on all its ranks, named by the first)."""
     rank: int
     first_uncompleted: int
+
+
+# --------------------------------------------------------------------- relays
+class RelayHello(NamedTuple):
+    """A host's relay to its parent, once ranks ``range(first, end)`` (``hellos``) are connected to it."""
+    host: int
+    first: int
+    end: int
+    token: str
+    hellos: tuple
+
+
+class RelayConfig(NamedTuple):
+    """Client -> relays (a control frame): heartbeat period, and silence that makes a rank lost."""
+    heartbeat_interval: float
+    heartbeat_timeout: float
+
+
+class RanksLost(NamedTuple):  # relay -> client: these ranks' connections closed, or they went silent
+    ranks: tuple
+    why: str
 
 
 class DependentError(NamedTuple):
@@ -261,7 +276,8 @@ class DependentError(NamedTuple):
 CLIENT_TO_WORKER = (CallFunction, DefineOp, CallOp, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups,
                     DefineRecording, CallRecording, BorrowCreate, BorrowFirstUse, BorrowLastUse, BorrowDrop, DeleteRefs,
                     RequestStatus, Supervise, Detach, Exit)
-WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status)
+WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status, RelayHello, RanksLost)
+RELAY_CONTROL = (RelayConfig,)
 
 # Which fields of a client->worker message hold refs, and how:
 #   "def"   one ref the message defines (None: it defines none)   "defs"  a tuple of them (None slots allowed)
@@ -305,8 +321,7 @@ class ProcessGroupArg(NamedTuple):
     dims: tuple
 
 
-class PackedTensor(NamedTuple):
-    """A dense CPU tensor as raw bytes: pickles an order of magnitude faster than a tensor."""
+class PackedTensor(NamedTuple):  # a dense CPU tensor as raw bytes: pickles ~10x faster than a tensor
     dtype: str
     shape: tuple
     data: bytes

@@ -250,13 +250,19 @@ class _Recording:
 
     def define(self, client, mode: str) -> None:
         self.client = client
+        # ranks that run the same messages get one definition (most recordings: every rank)
+        sets = {id(ranks): frozenset(ranks) for ranks, *_ in self.messages}
+        groups: dict[tuple, list[int]] = {}
         for rank in self.ranks:
-            commands = tuple(msg for ranks, msg, _, _ in self.messages if rank in ranks)
+            groups.setdefault(tuple(rank in s for s in sets.values()), []).append(rank)
+        for member, ranks in groups.items():
+            inside = {key for key, yes in zip(sets, member) if yes}
+            commands = tuple(msg for r, msg, _, _ in self.messages if id(r) in inside)
             step = m.MAX_COMMANDS_PER_CHUNK
             chunks = [commands[i:i + step] for i in range(0, len(commands), step)] or [()]
             for index, chunk in enumerate(chunks):
                 client.send_setup(m.DefineRecording(self.id, chunk, tuple(self.formals), tuple(self.results),
-                                                    index, len(chunks), mode), ranks=(rank,))
+                                                    index, len(chunks), mode), ranks=tuple(ranks))
 
     def call(self, mesh, inputs: list, traced: _Recording | None = None) -> None:
         """Run the recording for a call that was just traced: its results are the traced refs."""

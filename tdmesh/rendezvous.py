@@ -48,6 +48,21 @@ def connect_store(timeout: float = 1800.0) -> TCPStore:
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
 
 
+def reachable_host() -> str:
+    """This host's address for peers on other hosts (a relay's): ``TDMESH_RELAY_HOST``, else
+    the host name when it resolves, else loopback."""
+    import socket
+    host = env_str("TDMESH_RELAY_HOST")
+    if host:
+        return host
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+        return name
+    except OSError:
+        return "127.0.0.1"
+
+
 def new_token() -> str:
     return secrets.token_hex(16)
 

@@ -31,14 +31,24 @@ class FleetInfo:
     """What the client knows of its workers, to name them in errors: host, pid, log files,
     and (for local_mesh) the launcher's account of a dead process."""
 
-    def __init__(self, hellos: dict, log_dir: str | None, process_failure: Callable[[], str | None] | None) -> None:
+    def __init__(self, hellos: dict, log_dir: str | None, process_failure: Callable[[], str | None] | None,
+                 relays: dict | None = None) -> None:
         self.hellos = hellos
         self.log_dir = log_dir
         self.process_failure = process_failure
+        self.relays = relays or {}  # child key -> (host index, ranks behind that relay)
 
     def describe(self, rank: int) -> str:
         hello = self.hellos.get(rank)
         return "" if hello is None else f"(host {hello.hostname}, pid {hello.pid})"
+
+    def name(self, key: int) -> str:
+        """A child of the client by its key: a worker rank, or a host's relay and its ranks."""
+        if key in self.relays:
+            host, ranks = self.relays[key]
+            return (f"the relay of host {host} (in worker rank {key} {self.describe(key)}; it serves ranks "
+                    f"{_span(ranks)})")
+        return f"worker rank {key} {self.describe(key)}"
 
     def where_logs(self) -> str:
         files = {r: h.log for r, h in self.hellos.items() if h.log}
@@ -59,10 +69,22 @@ class FleetInfo:
             time.sleep(0.05)
         return None
 
-    def lost(self, rank: int, why: str) -> DeviceException:
+    def ranks_of(self, key: int) -> str:
+        """The ranks behind a child of the client, named: ``3 (host h, pid p)`` for a worker."""
+        if key in self.relays:
+            host, ranks = self.relays[key]
+            return f"{_span(ranks)} (behind the relay of host {host}, in worker rank {key} {self.describe(key)})"
+        return f"{key} {self.describe(key)}"
+
+    def lost(self, key: int, why: str, ranks: tuple = ()) -> DeviceException:
+        """``key``'s connection closed (a worker, or a relay), or a relay lost ``ranks``."""
         if why.startswith("worker rank"):  # the launcher's account names the rank, host and pid itself
             return DeviceException(f"{why}\n{self.where_logs()}")
-        return DeviceException(f"worker rank {rank} {self.describe(rank)} was lost: {why}\n{self.where_logs()}")
+        if len(ranks) > 1:
+            who = f"worker ranks {_span(ranks)} (behind the relay of worker rank {key} {self.describe(key)})"
+        else:
+            who = self.name(key)
+        return DeviceException(f"{who} was lost: {why}\n{self.where_logs()}")
 
     def broken_device(self, msg, site: str) -> DeviceException:
         """A worker's device is unusable (a sticky CUDA error): name the op, the user's line,
@@ -76,6 +98,13 @@ class FleetInfo:
             f"Traceback on worker rank {msg.rank}:\n{msg.traceback.rstrip()}\n{self.where_logs()}")
 
 
+def _span(ranks) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
 class Supervisor:
     def __init__(self, client, supervision: SupervisionParams, controller: ControllerParams,
                  process_failure: Callable[[], str | None] | None = None) -> None:
@@ -84,8 +113,8 @@ class Supervisor:
         self.controller = controller
         self.process_failure = process_failure
         now = time.monotonic()
-        self.last_seen = {r: now for r in client.ranks}
-        self.progress = {r: 0 for r in client.ranks}
+        self.last_seen = {r: now for r in client.children}  # workers, or relays (which watch their ranks)
+        self.progress = {r: 0 for r in client.children}
         self.probes: list[tuple[int, float]] = []   # (seq, sent at), oldest first
         self._warned: set[int] = set()
         self._last_probe = now
@@ -129,7 +158,7 @@ class Supervisor:
         for rank, seen in self.last_seen.items():
             if now - seen > timeout:
                 return client.fail_from_supervisor(DeviceException(
-                    f"worker rank {rank} {client.info.describe(rank)} stopped heartbeating: nothing heard for "
+                    f"{client.info.name(rank)} stopped heartbeating: nothing heard for "
                     f"{now - seen:.1f} s (heartbeat_timeout={timeout} s); it is hung or unreachable\n"
                     f"{client.info.where_logs()}"))
         self._check_progress(now)
@@ -150,7 +179,7 @@ class Supervisor:
         self._warned.add(seq)
         stuck = [r for r, p in sorted(self.progress.items()) if p <= seq]
         first = min(self.progress[r] for r in stuck)
-        named = ", ".join(f"{r} {client.info.describe(r)}" for r in stuck)
+        named = ", ".join(client.info.ranks_of(r) for r in stuck)
         message = (f"ranks {named} have operations that have not completed after "
                    f"{params.operation_timeout:g} seconds; the oldest was issued at {client.site_of(first)}")
         if params.fail_on_operation_timeout:

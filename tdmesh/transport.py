@@ -1,9 +1,13 @@
 """Framed connections between the client and its workers.
 
-A frame is ``MAGIC | u64 length | payload``, where the payload is a run of pickles, one per
-message.  Pickling each message once and concatenating the bytes lets the client send the
-same bytes to every rank of a mesh without re-serialising per recipient.  Frames over
-``max_frame`` bytes or with a bad magic are refused: the peer is not one of ours.
+A frame is ``MAGIC | u64 length | payload``.  Upstream (worker -> client) the payload is a
+run of pickles, one per message.  Downstream (client -> workers) it is a run of *entries*,
+``u32 rank set | u32 length | pickle``: the client pickles each message once and sends the
+same frame to every child (a worker, or a host's relay that forwards it unchanged), and each
+worker keeps the entries of the rank sets it belongs to (:class:`RankFilter`).  A frame's size
+never depends on how many ranks receive it.  Relays also get control frames of their own
+(``RELAY_MAGIC``).  Frames over ``max_frame`` bytes or with a bad magic are refused: the peer
+is not one of ours.
 """
 
 from __future__ import annotations
@@ -16,10 +20,15 @@ from collections.abc import Iterable, Iterator
 
 from .errors import ProtocolError
 
-__all__ = ["MAGIC", "DEFAULT_MAX_FRAME", "Connection", "ProtocolError", "connect", "decode", "encode"]
+__all__ = ["MAGIC", "RELAY_MAGIC", "DEFAULT_MAX_FRAME", "Connection", "ProtocolError", "connect", "decode",
+           "encode", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter"]
 
 MAGIC = b"TDM1"
+RELAY_MAGIC = b"TDMR"  # a frame for the relay itself (its configuration), not forwarded to workers
 _HEADER = struct.Struct("!4sQ")
+ENTRY = struct.Struct("!II")  # rank set id, length of the pickle that follows
+ALL_RANKS = 0                 # the rank set every rank belongs to
+DEFINE_SET = 0xFFFFFFFF       # an entry that defines a rank set: pickle of (id, tuple of Slices)
 DEFAULT_MAX_FRAME = 1 << 34  # 16 GiB: a fetch of a big tensor is one frame
 
 
@@ -40,6 +49,52 @@ def decode(payload) -> Iterator:
             raise ProtocolError(f"undecodable message at byte {stream.tell()} of a {end}-byte frame: "
                                 f"{type(e).__name__}: {e}") from e
         yield msg
+
+
+def entries(msgs: Iterable, set_id: int = ALL_RANKS) -> bytes:
+    """``msgs`` as a downstream payload, every message for the rank set ``set_id``."""
+    out = []
+    for msg in msgs:
+        data = encode(msg)
+        out.append(ENTRY.pack(set_id, len(data)))
+        out.append(data)
+    return b"".join(out)
+
+
+class RankFilter:
+    """One rank's reading of downstream payloads: the messages of the rank sets it belongs to,
+    in order.  Entries for other ranks are skipped without being unpickled."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.member: dict[int, bool] = {ALL_RANKS: True}
+
+    def messages(self, payload) -> list:
+        out: list = []
+        end = len(payload)
+        view = memoryview(payload)
+        unpack, size, member, loads = ENTRY.unpack_from, ENTRY.size, self.member, pickle.loads
+        pos = 0
+        try:
+            while pos < end:
+                set_id, n = unpack(payload, pos)
+                pos += size
+                if pos + n > end:
+                    raise ProtocolError(f"an entry of {n} bytes at byte {pos} overruns a {end}-byte frame")
+                if set_id == DEFINE_SET:
+                    defined, slices = loads(view[pos:pos + n])
+                    member[defined] = any(self.rank in s for s in slices)
+                elif member[set_id]:
+                    out.append(loads(view[pos:pos + n]))
+                pos += n
+        except KeyError as e:
+            raise ProtocolError(f"an entry names rank set {e.args[0]}, which was never defined") from None
+        except ProtocolError:
+            raise
+        except Exception as e:  # truncated or corrupt: the peer broke the protocol
+            raise ProtocolError(f"undecodable entry at byte {pos} of a {end}-byte frame: "
+                                f"{type(e).__name__}: {e}") from e
+        return out
 
 
 class Connection:
@@ -65,17 +120,29 @@ class Connection:
     def send_messages(self, msgs: Iterable) -> None:
         self.send_payload(b"".join(encode(m) for m in msgs))
 
+    def send_control(self, msg) -> None:
+        """A control frame for a relay (pickled ``msg``)."""
+        payload = encode(msg)
+        self.sock.sendall(_HEADER.pack(RELAY_MAGIC, len(payload)) + payload)
+
     def recv_payload(self) -> bytearray | None:
         """The next frame's payload, or ``None`` when the peer closed cleanly between frames."""
+        frame = self.recv_frame()
+        return None if frame is None else frame[1]
+
+    def recv_frame(self, magics: tuple[bytes, ...] = (MAGIC,)) -> tuple[bytes, bytearray] | None:
+        """The next frame as (magic, payload); ``None`` on a clean close between frames."""
         header = self._recv_exact(_HEADER.size, allow_eof=True)
         if header is None:
             return None
         magic, length = _HEADER.unpack(header)
-        if magic != MAGIC:
+        if magic not in magics:
             raise ProtocolError(f"bad frame magic {magic!r} (expected {MAGIC!r}): not a tdmesh peer")
         if length > self.max_frame:
             raise ProtocolError(f"frame of {length} bytes exceeds the limit of {self.max_frame} bytes")
-        return self._recv_exact(length, allow_eof=False)
+        payload = self._recv_exact(length, allow_eof=False)
+        assert payload is not None
+        return magic, payload
 
     def recv_messages(self) -> list | None:
         payload = self.recv_payload()

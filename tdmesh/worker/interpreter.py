@@ -248,15 +248,15 @@ class Interpreter:
             payload = pickle.dumps(tree_map(to_fetchable, value), protocol=pickle.HIGHEST_PROTOCOL)
         except DependentOnError as e:
             self._poison(env, (), msg.mutates, e.poison)
-            self.send(m.FetchResult(msg.seq, None, m.DependentError(e.poison.seq)))
+            self.send(m.FetchResult(msg.seq, None, m.DependentError(e.poison.seq), self.rank))
             return
         except ProtocolViolation:
             raise
         except Exception as e:  # noqa: BLE001 - whatever the user's function raises is its failure
             self.fail(env, msg.seq, (), msg.mutates, e, msg.function)
-            self.send(m.FetchResult(msg.seq, None, m.DependentError(msg.seq)))
+            self.send(m.FetchResult(msg.seq, None, m.DependentError(msg.seq), self.rank))
             return
-        self.send(m.FetchResult(msg.seq, payload))
+        self.send(m.FetchResult(msg.seq, payload, None, self.rank))
 
     def _reduce(self, msg: m.Reduce, stream: Stream) -> None:
         error = self._collective(collectives.reduce, msg, stream.env)

@@ -18,8 +18,10 @@ import torch.distributed as dist
 from .. import messages as m
 from ..config import cpu_forced, env_float, env_int, env_str
 from ..errors import ProtocolViolation
-from ..rendezvous import connect_store, job_scope, read_controller, store_address
-from ..transport import ProtocolError, connect
+from ..fanout import relay_children, relay_parents, subtree_hosts
+from ..relay import Relay
+from ..rendezvous import connect_store, job_scope, reachable_host, read_controller, store_address
+from ..transport import ProtocolError, RankFilter, connect
 from .interpreter import Interpreter
 from .values import DeviceBroken
 
@@ -77,10 +79,51 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
         dist.destroy_process_group()
         return 0, True
     host, port, token = found
+    if world_size > 1 and env_str("TDMESH_RELAYS") in ("auto", "1"):
+        host, port = _through_relay(store, rank, world_size, (host, port), token)
     code, clean, _ = _session(rank, device, connect(host, port), token)
     if clean:
         dist.destroy_process_group()
     return code, clean
+
+
+def _through_relay(store, rank: int, world_size: int, client: tuple[str, int], token: str) -> tuple[str, int]:
+    """Where this rank connects when hosts relay: its host's relay, which its host's first
+    worker (this process, for local rank 0) starts on a thread; returns the relay's address."""
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    host, hosts = rank // per_host, world_size // per_host
+    key = f"{job_scope()}/relay/{host}"
+    if rank % per_host == 0:
+        fanout = env_int("TDMESH_FANOUT")
+        subtree = subtree_hosts(host, hosts, fanout)
+        relay = Relay(host, host * per_host, subtree.stop * per_host, range(host * per_host, (host + 1) * per_host),
+                      relay_children(hosts, fanout)[host], token, bind="127.0.0.1" if client[0] == "127.0.0.1"
+                      else "0.0.0.0", heartbeat_interval=env_float("TDMESH_HEARTBEAT_INTERVAL"),
+                      heartbeat_timeout=env_float("TDMESH_HEARTBEAT_TIMEOUT"))
+        store.set(key, f"{'127.0.0.1' if client[0] == '127.0.0.1' else reachable_host()}:{relay.port}")
+        parent = relay_parents(hosts, fanout)[host]
+        parent_key = None if parent < 0 else f"{job_scope()}/relay/{parent}"
+
+        def run() -> None:
+            try:
+                relay.gather(env_float("TDMESH_CONNECT_TIMEOUT"))
+                up = client if parent_key is None else _address(store.get(parent_key).decode())
+                relay.connect_up(*up)
+            except Exception as e:  # noqa: BLE001 - this host's ranks see their connections close
+                log.error("host %d's relay could not start: %s", host, e)
+                for child in relay.children:
+                    child.conn.close()
+                relay.listener.close()
+                return
+            relay.serve()
+
+        threading.Thread(target=run, name="tdmesh-relay", daemon=True).start()
+    return _address(store.get(key).decode())
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, port = text.rsplit(":", 1)
+    return host, int(port)
 
 
 def _leave_with_the_client() -> None:
@@ -157,9 +200,11 @@ def _session(rank: int, device: torch.device, conn, token: str) -> tuple[int, bo
 
     interp = Interpreter(rank, device, send, world_size=int(os.environ["WORLD_SIZE"]), threaded=True,
                          on_fatal=stop_reading)
+    mine = RankFilter(rank)
     try:
         while interp.exit_request is None:
-            msgs = conn.recv_messages()
+            payload = conn.recv_payload()
+            msgs = None if payload is None else mine.messages(payload)
             if isinstance(interp.fatal, DeviceBroken):
                 break
             if msgs is None:

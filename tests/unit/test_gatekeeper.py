@@ -77,7 +77,7 @@ def test_silent_strangers_do_not_hold_up_the_workers(patient_gate):
     workers = [startup.worker(1), startup.worker(0)]
     startup.thread.join(30)
     assert startup.error is None, startup.error
-    conns, hellos, gate = startup.result
+    conns, hellos, gate, _ = startup.result
     # both ranks got in while every stranger was still connected and unanswered
     assert sorted(conns) == [0, 1] and [hellos[r].rank for r in (0, 1)] == [0, 1]
     assert gate.refused == 0
@@ -99,7 +99,7 @@ def test_a_first_frame_that_never_completes_is_cut(monkeypatch):
     worker = startup.worker(0)
     startup.thread.join(30)
     assert startup.error is None, startup.error
-    conns, _, gate = startup.result
+    conns, _, gate, _ = startup.result
     trickler.settimeout(10)
     assert trickler.recv(16) == b"", "the gatekeeper kept a stalled first frame open"
     assert wait_for(lambda: gate.refused == 1)
@@ -115,7 +115,7 @@ def test_a_rank_taken_twice_is_refused_and_startup_goes_on(patient_gate):
     last = startup.worker(1)
     startup.thread.join(30)
     assert startup.error is None, startup.error
-    conns, _, gate = startup.result
+    conns, _, gate, _ = startup.result
     assert sorted(conns) == [0, 1]
     assert wait_for(lambda: gate.refused == 1)
     # whichever came second was closed; the other one is rank 0's live connection

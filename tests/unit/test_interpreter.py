@@ -570,14 +570,14 @@ def test_send_value_error_results():
     failure, result = sent
     assert isinstance(failure, m.RemoteFunctionFailed) and failure.seq == 1
     assert "failed to resolve function" in failure.message
-    assert result == m.FetchResult(1, None, m.DependentError(1))
+    assert result == m.FetchResult(1, None, m.DependentError(1), 0)
     poison = interp.env[2]
     assert isinstance(poison, Poison) and poison.seq == 1
     assert "failed to resolve function" in poison.message
     # a later fetch of the poisoned ref: an error result, but no second report
     interp.handle(send_value(2, None, Ref(2)))
     assert len(sent) == 3
-    assert sent[2] == m.FetchResult(2, None, m.DependentError(1))
+    assert sent[2] == m.FetchResult(2, None, m.DependentError(1), 0)
     assert len(failures(sent)) == 1
 
 
@@ -586,7 +586,7 @@ def test_send_value_with_a_failing_function():
     interp.handle(send_value(4, "torch.ops.aten.rand.default", mutates=[7]))
     failure, result = sent
     assert failure.seq == 4 and "argument 'size'" in failure.message
-    assert result == m.FetchResult(4, None, m.DependentError(4))
+    assert result == m.FetchResult(4, None, m.DependentError(4), 0)
     assert isinstance(interp.env[7], Poison) and interp.env[7].seq == 4
     assert interp.caused_error is True
 
@@ -597,7 +597,7 @@ def test_send_value_of_an_unpicklable_value_is_a_root_failure():
     failure, result = sent
     assert isinstance(failure, m.RemoteFunctionFailed) and failure.seq == 3
     assert "generator" in failure.message
-    assert result == m.FetchResult(3, None, m.DependentError(3))
+    assert result == m.FetchResult(3, None, m.DependentError(3), 0)
 
 
 def test_dependent_send_value_poisons_its_mutates_with_the_root():
@@ -606,7 +606,7 @@ def test_dependent_send_value_poisons_its_mutates_with_the_root():
     interp.env[1] = torch.ones(2)
     interp.handle(send_value(5, "torch.ops.aten.add_.Tensor", Ref(1), Ref(0), mutates=[1]))
     assert len(sent) == 2
-    assert sent[1] == m.FetchResult(5, None, m.DependentError(0))
+    assert sent[1] == m.FetchResult(5, None, m.DependentError(0), 0)
     assert interp.env[1] is interp.env[0]
 
 

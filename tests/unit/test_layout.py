@@ -10,10 +10,10 @@ import os
 from paths import REPO
 
 ROOT = os.path.join(REPO, "tdmesh")
-# What a worker may import from tdmesh besides its own package: protocol, transport,
-# configuration, rendezvous, geometry and the error types.
-WORKER_MAY_IMPORT = {"tdmesh.messages", "tdmesh.transport", "tdmesh.config", "tdmesh.rendezvous",
-                     "tdmesh.grouping", "tdmesh.slice", "tdmesh.shape", "tdmesh.errors"}
+# What a worker may import from tdmesh besides its own package: protocol, transport (and the
+# host relay it runs), configuration, rendezvous, geometry and the error types.
+WORKER_MAY_IMPORT = {"tdmesh.messages", "tdmesh.transport", "tdmesh.relay", "tdmesh.fanout", "tdmesh.config",
+                     "tdmesh.rendezvous", "tdmesh.grouping", "tdmesh.slice", "tdmesh.shape", "tdmesh.errors"}
 MAX_LINES = 400
 
 

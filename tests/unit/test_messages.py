@@ -45,6 +45,9 @@ SAMPLES = {
     m.WorkerFailed: m.WorkerFailed(16, 2, "torch.ops.aten.index_select.default", "AcceleratorError",
                                    "CUDA error: device-side assert triggered", "Traceback ..."),
     m.Status: m.Status(1, 14),
+    m.RelayHello: m.RelayHello(1, 2, 4, "tok-123", (m.Hello(2, "tok-123", "host-b", 7, "cpu", None),
+                                                  m.Hello(3, "tok-123", "host-b", 8, "cpu", None))),
+    m.RanksLost: m.RanksLost((2, 3), "its connection to host 1's relay closed"),
 }
 
 FIELDS = {
@@ -72,7 +75,10 @@ FIELDS = {
     m.TorchMeshArg: ("mesh",),
     m.Heartbeat: ("rank",),
     m.Hello: ("rank", "token", "hostname", "pid", "device", "log"),
-    m.FetchResult: ("seq", "value", "error"),
+    m.FetchResult: ("seq", "value", "error", "rank"),
+    m.RelayHello: ("host", "first", "end", "token", "hellos"),
+    m.RelayConfig: ("heartbeat_interval", "heartbeat_timeout"),
+    m.RanksLost: ("ranks", "why"),
     m.RemoteFunctionFailed: ("seq", "rank", "exc_type", "message", "traceback"),
     m.WorkerFailed: ("seq", "rank", "function", "exc_type", "message", "traceback"),
     m.Status: ("rank", "first_uncompleted"),
@@ -93,7 +99,7 @@ DEFAULTS = {
     m.CreateGroups: {"mesh": None, "dims": (), "ref": None, "to_stream": None, "id": 0},
     m.Exit: {"error": None},
     m.DefineRecording: {"mode": "program"},
-    m.FetchResult: {"error": None},
+    m.FetchResult: {"error": None, "rank": -1},
 }
 
 
@@ -103,7 +109,8 @@ def test_direction_tables_are_exactly_the_documented_records():
                                   m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs, m.RequestStatus,
                                   m.Supervise, m.Detach, m.Exit)
     assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.WorkerFailed,
-                                  m.Status)
+                                  m.Status, m.RelayHello, m.RanksLost)
+    assert m.RELAY_CONTROL == (m.RelayConfig,)
     assert set(m.CLIENT_TO_WORKER).isdisjoint(m.WORKER_TO_CLIENT)
     assert set(SAMPLES) == set(m.CLIENT_TO_WORKER) | set(m.WORKER_TO_CLIENT)
 

@@ -1,0 +1,251 @@
+"""A host's relay: the client's frames go to each host once, and come back aggregated.
+
+Each host's first worker runs one (a thread: see ``RELAYS`` in README for the measurement
+that chose it).  The relay listens; the host's ranks and the relays of its subtree
+(:mod:`tdmesh.fanout`) connect and say hello; then it connects to its parent (the client, or
+another host's relay) with one :class:`~tdmesh.messages.RelayHello` for all of them.
+
+Downstream it forwards every frame unchanged to every child: a frame holds entries for rank
+sets (see :mod:`tdmesh.transport`), and each worker keeps its own, so a relay does no work per
+message and no frame grows with the number of ranks.  Upstream it forwards workers' frames
+unchanged, except that ``Status`` becomes one per relay (the minimum over the ranks behind it,
+sent when it grows) and heartbeats stop here: the relay sends its own, and reports a rank whose
+connection closes or that stays silent past the heartbeat timeout as ``RanksLost``.  When its
+parent goes away the relay closes every child, so the ranks behind it leave too.
+"""
+
+from __future__ import annotations
+
+import hmac
+import io
+import logging
+import pickle
+import selectors
+import socket
+import time
+from typing import Any
+
+from . import messages as m
+from .transport import MAGIC, RELAY_MAGIC, Connection, ProtocolError, connect
+
+log = logging.getLogger("tdmesh.relay")
+
+__all__ = ["Relay"]
+
+_SMALL = 512  # upstream frames up to this size may be a Status or a Heartbeat: look inside
+
+
+class _Upstream(pickle.Unpickler):
+    """Reads a small upstream frame only as far as knowing whether it is a Status or Heartbeat."""
+
+    def find_class(self, module: str, name: str):
+        if module == m.__name__ and name in ("Status", "Heartbeat"):
+            return getattr(m, name)
+        raise pickle.UnpicklingError("not for the relay")
+
+
+def _peek(payload) -> object:
+    try:
+        return _Upstream(io.BytesIO(payload)).load()
+    except Exception:  # noqa: BLE001 - anything else travels on unopened
+        return None
+
+
+class _Child:
+    __slots__ = ("conn", "key", "ranks", "relay", "progress", "seen", "lost")
+
+    def __init__(self, conn: Connection, key: int, ranks: tuple[int, ...], relay: bool) -> None:
+        self.conn = conn
+        self.key = key          # its first rank: the rank its Status names
+        self.ranks = ranks
+        self.relay = relay
+        self.progress = 0
+        self.seen = time.monotonic()
+        self.lost = False
+
+
+class Relay:
+    """The relay of ``host``, for ranks ``range(first, end)``: ``local`` of them are the host's
+    own workers, the rest connect through the relays of ``child_hosts``."""
+
+    HELLO_TIMEOUT = 10.0
+
+    def __init__(self, host: int, first: int, end: int, local: range, child_hosts: list[int], token: str,
+                 bind: str = "0.0.0.0", heartbeat_interval: float = 2.0, heartbeat_timeout: float = 20.0) -> None:
+        self.host, self.first, self.end = host, first, end
+        self.local = local
+        self.child_hosts = list(child_hosts)
+        self.token = token
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind((bind, 0))
+        self.listener.listen(128)
+        self.port = self.listener.getsockname()[1]
+        self.children: list[_Child] = []
+        self.hellos: dict[int, m.Hello] = {}
+        self.up: Connection | None = None
+        self._sent_progress = 0
+
+    # -- startup ------------------------------------------------------------------------------
+    def gather(self, timeout: float) -> None:
+        """Accept every child (the host's ranks, then child relays in any order)."""
+        want_ranks = set(self.local)
+        want_hosts = set(self.child_hosts)
+        deadline = time.monotonic() + timeout
+        self.listener.settimeout(0.5)
+        while want_ranks or want_hosts:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"host {self.host}'s relay: ranks {sorted(want_ranks)} and relays of hosts "
+                                   f"{sorted(want_hosts)} did not connect within {timeout:.0f} s")
+            try:
+                sock, peer = self.listener.accept()
+            except TimeoutError:
+                continue
+            conn = Connection(sock, max_frame=1 << 24)
+            try:
+                sock.settimeout(self.HELLO_TIMEOUT)
+                hello = _first_message(conn)
+                sock.settimeout(None)
+            except (OSError, ProtocolError, pickle.UnpicklingError) as e:
+                log.warning("host %d's relay refused a connection from %s: %s", self.host, peer, e)
+                conn.close()
+                continue
+            if not hmac.compare_digest(str(getattr(hello, "token", "")).encode(), self.token.encode()):
+                log.warning("host %d's relay refused a connection from %s: no job token", self.host, peer)
+                conn.close()
+            elif type(hello) is m.Hello and hello.rank in want_ranks:
+                want_ranks.discard(hello.rank)
+                self.hellos[hello.rank] = hello
+                self.children.append(_Child(conn, hello.rank, (hello.rank,), False))
+            elif type(hello) is m.RelayHello and hello.host in want_hosts:
+                want_hosts.discard(hello.host)
+                self.hellos.update({h.rank: h for h in hello.hellos})
+                self.children.append(_Child(conn, hello.first, tuple(range(hello.first, hello.end)), True))
+            else:
+                log.warning("host %d's relay refused %r from %s: not one of its children", self.host,
+                            type(hello).__name__, peer)
+                conn.close()
+        self.listener.close()
+        # relays first (their subtrees are deeper), the host's own first worker last: it may
+        # leave the moment it reads an Exit, taking this thread with it
+        self.children.sort(key=lambda c: (not c.relay, -c.key))
+
+    def connect_up(self, host: str, port: int) -> None:
+        self.up = connect(host, port)
+        self.up.send_messages([m.RelayHello(self.host, self.first, self.end, self.token,
+                                            tuple(self.hellos[r] for r in sorted(self.hellos)))])
+
+    # -- serving ------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Forward until the parent goes away; then close every child."""
+        assert self.up is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.up.sock, selectors.EVENT_READ, None)
+        for child in self.children:
+            sel.register(child.conn.sock, selectors.EVENT_READ, child)
+        next_beat = time.monotonic() + self.heartbeat_interval
+        try:
+            while True:
+                for key, _ in sel.select(timeout=max(0.0, next_beat - time.monotonic())):
+                    if key.data is None:
+                        if not self._downstream():
+                            return
+                    elif not self._upstream(key.data, sel):
+                        return  # every rank behind it has left: so does the relay
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.heartbeat_interval
+                    self._beat(now)
+        except OSError as e:  # the parent's connection broke: nobody is left to serve
+            log.warning("host %d's relay: its parent's connection failed (%s); closing its ranks", self.host, e)
+        finally:
+            for child in self.children:
+                child.conn.close()
+            self.up.close()
+
+    def _downstream(self) -> bool:
+        assert self.up is not None
+        frame = self.up.recv_frame((MAGIC, RELAY_MAGIC))
+        if frame is None:
+            return False
+        magic, payload = frame
+        if magic == RELAY_MAGIC:
+            config = pickle.loads(payload)
+            if type(config) is m.RelayConfig:
+                self.heartbeat_interval, self.heartbeat_timeout = config
+            for child in self.children:
+                if child.relay and not child.lost:
+                    self._send_child(child, lambda c: c.conn.send_control(config))
+            return True
+        for child in self.children:
+            if not child.lost:
+                self._send_child(child, lambda c: c.conn.send_payload(payload))
+        return True
+
+    def _send_child(self, child: _Child, send) -> None:
+        try:
+            send(child)
+        except OSError as e:
+            self._lose(child, f"sending to it through host {self.host}'s relay failed: {e}")
+
+    def _upstream(self, child: _Child, sel) -> bool:
+        """Handle a frame from ``child``; False once no child is left."""
+        assert self.up is not None
+        try:
+            payload = child.conn.recv_payload()
+        except (OSError, ProtocolError) as e:
+            payload = None
+            why = str(e)
+        else:
+            why = f"its connection to host {self.host}'s relay closed"
+        if payload is None:
+            sel.unregister(child.conn.sock)
+            child.conn.close()
+            self._lose(child, why)
+            return not all(c.lost for c in self.children)
+        child.seen = time.monotonic()
+        msg: Any = _peek(payload) if len(payload) <= _SMALL else None
+        t = type(msg)
+        if t is m.Status:
+            if msg.first_uncompleted > child.progress:
+                child.progress = msg.first_uncompleted
+                low = min(c.progress for c in self.children)
+                if low > self._sent_progress:
+                    self._sent_progress = low
+                    self.up.send_messages([m.Status(self.first, low)])
+        elif t is not m.Heartbeat:
+            self.up.send_payload(payload)
+        return True
+
+    def _beat(self, now: float) -> None:
+        assert self.up is not None
+        for child in self.children:
+            if not child.lost and now - child.seen > self.heartbeat_timeout:
+                self._lose(child, f"nothing heard for {now - child.seen:.1f} s (heartbeat_timeout="
+                                  f"{self.heartbeat_timeout} s); it is hung or unreachable")
+        self.up.send_messages([m.Heartbeat(self.first)])
+
+    def _lose(self, child: _Child, why: str) -> None:
+        if child.lost:
+            return
+        child.lost = True
+        assert self.up is not None
+        self.up.send_messages([m.RanksLost(child.ranks, why)])
+
+
+def _first_message(conn: Connection):
+    payload = conn.recv_payload()
+    if payload is None:
+        raise ProtocolError("closed before saying hello")
+    return _HelloReader(io.BytesIO(payload)).load()
+
+
+class _HelloReader(pickle.Unpickler):
+    """A first frame may hold only a Hello or a RelayHello (of Hellos), nothing that runs code."""
+
+    def find_class(self, module: str, name: str):
+        if module == m.__name__ and name in ("Hello", "RelayHello"):
+            return getattr(m, name)
+        raise pickle.UnpicklingError(f"a first frame may only hold a hello, not {module}.{name}")
