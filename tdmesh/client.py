@@ -258,6 +258,7 @@ class Client:
                     # or signal, when it comes within a moment, says more.
                     self._fail_fleet(self.info.lost(key, self.info.exit_reason() or f"sending to it failed: {e}"))
             self.outbox.frames += len(self.conns)
+            self.outbox.bytes_sent += len(payload) * len(self.conns)
 
     def _flush_loop(self) -> None:
         while not self.closed:

@@ -27,6 +27,7 @@ class Outbox:
         self.log: list[bytes] = []   # header, pickle, header, pickle ...
         self.bytes = 0
         self.frames = 0              # frames sent, over every child
+        self.bytes_sent = 0          # their payloads' bytes
         self._by_identity: dict[int, tuple[object, int]] = {}  # id(ranks) -> (ranks, set id)
         self._by_slices: dict[tuple, int] = {}
         self._all = frozenset(world)

@@ -45,10 +45,13 @@ class _Upstream(pickle.Unpickler):
 
 
 def _peek(payload) -> object:
+    """The frame's one message if it is a Status or Heartbeat and nothing else, else None."""
+    stream = io.BytesIO(payload)
     try:
-        return _Upstream(io.BytesIO(payload)).load()
+        msg = _Upstream(stream).load()
     except Exception:  # noqa: BLE001 - anything else travels on unopened
         return None
+    return msg if stream.tell() == len(payload) else None
 
 
 class _Child:
@@ -65,16 +68,14 @@ class _Child:
 
 
 class Relay:
-    """The relay of ``host``, for ranks ``range(first, end)``: ``local`` of them are the host's
-    own workers, the rest connect through the relays of ``child_hosts``."""
+    """The relay of ``host``, for ranks ``range(first, end)``: the host's own workers connect with
+    a Hello each, the relays of its subtree's other hosts with a RelayHello for their ranks."""
 
     HELLO_TIMEOUT = 10.0
 
-    def __init__(self, host: int, first: int, end: int, local: range, child_hosts: list[int], token: str,
-                 bind: str = "0.0.0.0", heartbeat_interval: float = 2.0, heartbeat_timeout: float = 20.0) -> None:
+    def __init__(self, host: int, first: int, end: int, token: str, bind: str = "0.0.0.0",
+                 heartbeat_interval: float = 2.0, heartbeat_timeout: float = 20.0) -> None:
         self.host, self.first, self.end = host, first, end
-        self.local = local
-        self.child_hosts = list(child_hosts)
         self.token = token
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -90,15 +91,14 @@ class Relay:
 
     # -- startup ------------------------------------------------------------------------------
     def gather(self, timeout: float) -> None:
-        """Accept every child (the host's ranks, then child relays in any order)."""
-        want_ranks = set(self.local)
-        want_hosts = set(self.child_hosts)
+        """Accept children, in any order, until every rank of ``range(first, end)`` is behind one."""
+        want = set(range(self.first, self.end))
         deadline = time.monotonic() + timeout
         self.listener.settimeout(0.5)
-        while want_ranks or want_hosts:
+        while want:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"host {self.host}'s relay: ranks {sorted(want_ranks)} and relays of hosts "
-                                   f"{sorted(want_hosts)} did not connect within {timeout:.0f} s")
+                raise TimeoutError(f"host {self.host}'s relay: ranks {sorted(want)} did not connect within "
+                                   f"{timeout:.0f} s")
             try:
                 sock, peer = self.listener.accept()
             except TimeoutError:
@@ -115,12 +115,13 @@ class Relay:
             if not hmac.compare_digest(str(getattr(hello, "token", "")).encode(), self.token.encode()):
                 log.warning("host %d's relay refused a connection from %s: no job token", self.host, peer)
                 conn.close()
-            elif type(hello) is m.Hello and hello.rank in want_ranks:
-                want_ranks.discard(hello.rank)
+            elif type(hello) is m.Hello and hello.rank in want:
+                want.discard(hello.rank)
                 self.hellos[hello.rank] = hello
                 self.children.append(_Child(conn, hello.rank, (hello.rank,), False))
-            elif type(hello) is m.RelayHello and hello.host in want_hosts:
-                want_hosts.discard(hello.host)
+            elif type(hello) is m.RelayHello and want.issuperset(range(hello.first, hello.end)) and \
+                    [h.rank for h in hello.hellos] == list(range(hello.first, hello.end)):
+                want.difference_update(range(hello.first, hello.end))
                 self.hellos.update({h.rank: h for h in hello.hellos})
                 self.children.append(_Child(conn, hello.first, tuple(range(hello.first, hello.end)), True))
             else:

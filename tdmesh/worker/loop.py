@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .. import messages as m
 from ..config import cpu_forced, env_float, env_int, env_str
 from ..errors import ProtocolViolation
-from ..fanout import relay_children, relay_parents, subtree_hosts
+from ..fanout import relay_parents, subtree_hosts
 from ..relay import Relay
 from ..rendezvous import connect_store, job_scope, reachable_host, read_controller, store_address
 from ..transport import ProtocolError, RankFilter, connect
@@ -96,9 +96,9 @@ def _through_relay(store, rank: int, world_size: int, client: tuple[str, int], t
     if rank % per_host == 0:
         fanout = env_int("TDMESH_FANOUT")
         subtree = subtree_hosts(host, hosts, fanout)
-        relay = Relay(host, host * per_host, subtree.stop * per_host, range(host * per_host, (host + 1) * per_host),
-                      relay_children(hosts, fanout)[host], token, bind="127.0.0.1" if client[0] == "127.0.0.1"
-                      else "0.0.0.0", heartbeat_interval=env_float("TDMESH_HEARTBEAT_INTERVAL"),
+        relay = Relay(host, host * per_host, subtree.stop * per_host, token,
+                      bind="127.0.0.1" if client[0] == "127.0.0.1" else "0.0.0.0",
+                      heartbeat_interval=env_float("TDMESH_HEARTBEAT_INTERVAL"),
                       heartbeat_timeout=env_float("TDMESH_HEARTBEAT_TIMEOUT"))
         store.set(key, f"{'127.0.0.1' if client[0] == '127.0.0.1' else reachable_host()}:{relay.port}")
         parent = relay_parents(hosts, fanout)[host]

@@ -1,0 +1,143 @@
+"""The relay tree, rank sets, the client's outbox and a worker's reading of it (hypothesis),
+and one relay over real sockets: forwarding, Status aggregation, lost ranks, shutdown."""
+import math
+import pickle
+import socket
+import threading
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tdmesh import messages as m
+from tdmesh.fanout import RankList, rank_set, relay_children, relay_parents, subtree_hosts
+from tdmesh.outbox import Outbox
+from tdmesh.relay import Relay
+from tdmesh.slice import Slice
+from tdmesh.transport import RankFilter, connect
+
+TOKEN = "t" * 32
+
+
+@given(st.integers(1, 3000), st.integers(1, 40))
+@settings(max_examples=200, deadline=None)
+def test_the_relay_tree_bounds_every_fanout_and_its_subtrees_are_contiguous(hosts, fanout):
+    parents = relay_parents(hosts, fanout)
+    children = relay_children(hosts, fanout)
+    assert all(len(c) <= fanout for c in children.values())
+    assert all(parents[h] < h for h in range(hosts))  # a block's first host relays for the rest of it
+    depth = [0] * hosts
+    for h in range(hosts):
+        depth[h] = 1 if parents[h] < 0 else depth[parents[h]] + 1
+    if fanout > 1:
+        assert max(depth) <= math.ceil(math.log(hosts, fanout)) + 1 if hosts > 1 else max(depth) == 1
+    for h in range(0, hosts, max(1, hosts // 7)):
+        below = {h}
+        for g in range(h + 1, hosts):
+            if parents[g] in below:
+                below.add(g)
+        assert set(subtree_hosts(h, hosts, fanout)) == below
+
+
+@given(st.lists(st.integers(0, 200), max_size=60))
+def test_a_rank_set_covers_exactly_its_ranks(ranks):
+    slices = rank_set(ranks)
+    assert sorted(r for s in slices for r in s) == sorted(set(ranks))
+
+
+@given(st.data())
+@settings(max_examples=100, deadline=None)
+def test_every_rank_reads_exactly_the_messages_of_its_rank_sets_in_order(data):
+    world = data.draw(st.integers(1, 40))
+    ranks = st.lists(st.integers(0, world - 1), min_size=1, max_size=world, unique=True)
+    mesh = Slice.new_row_major([world])
+    sets = [RankList(mesh)] + [data.draw(ranks) for _ in range(data.draw(st.integers(0, 5)))]
+    sent = [(data.draw(st.sampled_from(range(len(sets)))), i) for i in range(data.draw(st.integers(0, 30)))]
+    outbox = Outbox(tuple(range(world)))
+    for which, i in sent:
+        outbox.put(sets[which], pickle.dumps(m.RequestStatus(i)))
+    payload = outbox.take()
+    for rank in range(world):
+        got = RankFilter(rank).messages(payload)
+        assert got == [m.RequestStatus(i) for which, i in sent if rank in sets[which]]
+
+
+def test_a_mesh_rank_set_is_defined_by_its_slice_so_frames_do_not_grow_with_ranks():
+    sizes = []
+    for n in (4, 4096):
+        outbox = Outbox(tuple(range(2 * n)))
+        outbox.put(RankList(Slice.new_row_major([2, n]).at(0, 1)), pickle.dumps(m.RequestStatus(1)))
+        sizes.append(len(outbox.take()))
+    assert sizes[1] - sizes[0] <= 8  # a few bytes more for bigger ints: not 4,096 ranks listed
+
+
+def _listener():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(4)
+    return sock
+
+
+def test_a_relay_forwards_frames_aggregates_status_and_reports_a_lost_rank():
+    parent = _listener()
+    relay = Relay(0, 0, 2, TOKEN, bind="127.0.0.1", heartbeat_interval=0.05, heartbeat_timeout=30)
+    workers = [connect("127.0.0.1", relay.port) for _ in range(2)]
+    for rank, w in enumerate(workers):
+        w.send_messages([m.Hello(rank, TOKEN, "h", 1, "cpu", None)])
+    thread = threading.Thread(target=lambda: (relay.gather(10), relay.connect_up(*parent.getsockname()),
+                                              relay.serve()), daemon=True)
+    thread.start()
+    up, _ = parent.accept()
+    from tdmesh.transport import Connection
+    up = Connection(up)
+    hello = up.recv_messages()[0]
+    assert type(hello) is m.RelayHello and (hello.first, hello.end) == (0, 2)
+    assert [h.rank for h in hello.hellos] == [0, 1]
+    up.send_control(m.RelayConfig(0.05, 30))
+    up.send_payload(b"entries, forwarded unopened")
+    assert [w.recv_payload() for w in workers] == [b"entries, forwarded unopened"] * 2
+
+    def next_message(kinds):
+        while True:
+            msg = up.recv_messages()[0]
+            if type(msg) in kinds:
+                return msg
+    workers[0].send_messages([m.Status(0, 5)])
+    workers[1].send_messages([m.Heartbeat(1)])
+    workers[1].send_messages([m.Status(1, 3)])
+    assert next_message((m.Status,)) == m.Status(0, 3)  # the minimum, once every rank reported
+    workers[1].send_messages([m.FetchResult(2, b"v", None, 1)])
+    assert next_message((m.FetchResult, m.Status)) == m.FetchResult(2, b"v", None, 1)
+    assert type(next_message((m.Heartbeat,))) is m.Heartbeat  # the relay's own
+    workers[1].close()
+    lost = next_message((m.RanksLost,))
+    assert lost.ranks == (1,) and "relay closed" in lost.why
+    workers[0].close()  # the last rank leaves: so does the relay
+    thread.join(5)
+    assert not thread.is_alive()
+    parent.close()
+
+
+def test_a_relay_whose_parent_goes_away_closes_its_ranks():
+    parent = _listener()
+    relay = Relay(0, 0, 1, TOKEN, bind="127.0.0.1")
+    worker = connect("127.0.0.1", relay.port)
+    worker.send_messages([m.Hello(0, TOKEN, "h", 1, "cpu", None)])
+    thread = threading.Thread(target=lambda: (relay.gather(10), relay.connect_up(*parent.getsockname()),
+                                              relay.serve()), daemon=True)
+    thread.start()
+    up, _ = parent.accept()
+    up.close()
+    assert worker.recv_payload() is None
+    thread.join(5)
+    parent.close()
+
+
+def test_a_relay_refuses_a_hello_without_the_token_and_waits_for_the_real_rank():
+    relay = Relay(0, 0, 1, TOKEN, bind="127.0.0.1")
+    stranger = connect("127.0.0.1", relay.port)
+    stranger.send_messages([m.Hello(0, "wrong", "h", 1, "cpu", None)])
+    worker = connect("127.0.0.1", relay.port)
+    worker.send_messages([m.Hello(0, TOKEN, "h", 2, "cpu", None)])
+    relay.gather(10)
+    assert stranger.recv_payload() is None
+    assert [c.key for c in relay.children] == [0] and relay.hellos[0].pid == 2
