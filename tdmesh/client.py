@@ -257,8 +257,7 @@ class Client:
                     # A dead process shows first as a broken pipe; the launcher's exit code
                     # or signal, when it comes within a moment, says more.
                     self._fail_fleet(self.info.lost(key, self.info.exit_reason() or f"sending to it failed: {e}"))
-            self.outbox.frames += len(self.conns)
-            self.outbox.bytes_sent += len(payload) * len(self.conns)
+            self.outbox.sent(len(payload), len(self.conns))
 
     def _flush_loop(self) -> None:
         while not self.closed:

@@ -43,6 +43,8 @@ VARIABLES = {
                             "through other hosts' relays)"),
     "TDMESH_RELAY_HOST": ("", "the address other hosts use to reach this host's relay (default: this host's name, or "
                               "127.0.0.1 when the name does not resolve)"),
+    "TDMESH_POOL_IDLE": ("60", "seconds the workers of a finished local_mesh stay warm for the next local_mesh of the "
+                               "same shape (0: no warm pool; local_mesh(pool=False) opts one mesh out)"),
     "TDMESH_TEST_MESH": ("2x2", "tests only: HOSTSxGPUS, the mesh of the collective and stream suites"),
 }
 

@@ -198,11 +198,13 @@ class Gatekeeper:
 
 def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str | None = None,
                    alive: Callable[[], str | None] = lambda: None, timeout: float | None = None,
-                   announce: Callable[[str, int, str], None] | None = None):
+                   announce: Callable[[str, int, str], None] | None = None,
+                   meanwhile: Callable[[], None] | None = None):
     """Publish the client in ``store`` and accept one authenticated connection per rank.
 
     ``alive()`` returns a reason when the workers can no longer come (a launcher saw them
-    die), so startup failures are reported at once instead of after the timeout.
+    die), so startup failures are reported at once instead of after the timeout.  ``meanwhile``
+    runs once the client is published, while the workers come (the gate admits them meanwhile).
     Each connection is a worker, or a host's relay speaking for several ranks.  Returns
     (connections by the first rank behind them, every rank's hello, the gatekeeper that
     keeps refusing strangers, {key: (host, ranks)} of the relays).
@@ -217,6 +219,8 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
             announce(host, gate.port, gate.token)
         else:
             publish_controller(store, host, gate.port, gate.token, scope)
+        if meanwhile is not None:
+            meanwhile()
         deadline = time.monotonic() + timeout
         while len(hellos) < world_size:
             why = alive()
@@ -274,8 +278,10 @@ class Fleet:
     """Owns a client and (for local meshes) the worker processes; ``exit`` is idempotent."""
 
     def __init__(self, client: Client, processes=None, store=None, log_files: dict | None = None,
-                 gate: Gatekeeper | None = None) -> None:
+                 gate: Gatekeeper | None = None, pool_key: tuple | None = None, scope: str = "") -> None:
         self.client = client
+        self.pool_key = pool_key  # a local fleet that may park its workers in the warm pool
+        self.scope = scope
         self.gate = gate
         self.processes = processes
         self.store = store
@@ -307,20 +313,34 @@ class Fleet:
         unobserved = None
         if self.gate is not None:
             self.gate.close()
+        park = False
         try:
             if error is None:
                 self.drain()
                 if client.history.unobserved:
                     unobserved = next(iter(client.history.unobserved.values()))
+            park = self.pool_key is not None and error is None and unobserved is None and client.failure is None
             client.shutdown(error if error is not None else (str(unobserved) if unobserved else None),
                             timeout=5.0 if error is not None else 30.0,
-                            detach=detach and error is None)
+                            detach=(detach or park) and error is None)
+            park = park and client.failure is None
         finally:
-            self._stop_processes()
+            if park:
+                self._park()
+            else:
+                self._stop_processes()
         if unobserved is not None:
             raise unobserved
         if client.failure is not None and error is None and not client.failure.observed:
             raise client.failure
+
+    def _park(self) -> None:
+        """Hand the workers (detached: each waits for its next job) to the warm pool."""
+        from . import pool
+        assert self.pool_key is not None
+        pool.park(pool.Parked(self.pool_key, self.scope, self.processes, self.store, self.log_files,
+                              time.monotonic()))
+        self.processes = None
 
     def _stop_processes(self) -> None:
         if self.processes is None:

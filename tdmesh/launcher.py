@@ -23,11 +23,13 @@ from datetime import timedelta
 import torch
 from torch.distributed import TCPStore
 
+from . import pool as warm_pool
 from .client import Client
 from .config import cpu_forced
 from .errors import UsageError
 from .fleet import Fleet, SerialProcesses, accept_workers, controller_host
 from .mesh import DeviceMesh
+from .propagation import warm_up
 from .rendezvous import ATTACH, connect_store, proof, restart_count
 from .shape import Shape
 from .slice import Slice
@@ -58,7 +60,7 @@ def describe_failures(processes, log_files: dict) -> str | None:
 
 
 def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_dir: str | None,
-                       device_offset: int = 0, supervision=None, controller=None) -> Fleet:
+                       device_offset: int = 0, supervision=None, controller=None, pool: bool = True) -> Fleet:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
     if hosts < 1 or gpus_per_host < 1:
@@ -70,9 +72,19 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
         raise ValueError(f"local_mesh asks for {world} GPU workers but only "
                          f"{torch.cuda.device_count() - device_offset} CUDA devices are free")
     backend = backend or ("nccl" if cuda else "gloo")
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=1800))
     run_id = f"tdmesh-{uuid.uuid4().hex[:12]}"
     scope = f"tdmesh/{run_id}"
+    # workers inherit this process's environment: only an identical one may reuse parked workers
+    # (but torch's first compile-related import sets an inductor cache directory in it)
+    inherited = frozenset(kv for kv in os.environ.items() if not kv[0].startswith("TORCHINDUCTOR_"))
+    key = (hosts, gpus_per_host, backend, cuda, device_offset, log_dir, tuple(sys.path), inherited)
+    parked = warm_pool.take(key) if pool and warm_pool.idle_timeout() > 0 else None
+    if parked is not None:
+        parked.store.set(parked.scope + warm_pool.NEXT, scope)  # the parked workers join this job
+        return _accept(hosts, gpus_per_host, parked.processes, parked.store, scope, parked.log_files, log_dir,
+                       supervision, controller, key if pool else None,
+                       f"from the warm pool ({hosts} host x {gpus_per_host}, {backend})", cuda)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=1800))
     base_env = {
         "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(gpus_per_host),
         "TDMESH_STORE": f"127.0.0.1:{store.port}", "TDMESH_SCOPE": scope, "TDMESH_BACKEND": backend,
@@ -105,25 +117,31 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
     if log_dir:
         for rank in range(world):
             log_files[rank] = processes.stderrs.get(rank) if hasattr(processes, "stderrs") else None
-        where = os.path.dirname(os.path.dirname(next(iter(log_files.values())) or log_dir))
-    else:
-        where = "this terminal"
-    print(f"tdmesh: {world} {'GPU' if cuda else 'CPU'} workers ({hosts} host x {gpus_per_host}, {backend}); "
-          f"worker logs: {where}", file=sys.stderr, flush=True)
+    return _accept(hosts, gpus_per_host, processes, store, scope, log_files, log_dir, supervision, controller,
+                   key if pool else None, f"({hosts} host x {gpus_per_host}, {backend})", cuda)
+
+
+def _accept(hosts, gpus_per_host, processes, store, scope, log_files, log_dir, supervision, controller, pool_key,
+            how: str, cuda: bool) -> Fleet:
+    """The common end of a local fleet's start: fresh or warm workers connect to a new client."""
+    world = hosts * gpus_per_host
+    where = os.path.dirname(os.path.dirname(next(iter(log_files.values())) or log_dir)) if log_dir else "this terminal"
+    print(f"tdmesh: {world} {'GPU' if cuda else 'CPU'} workers {how}; worker logs: {where}", file=sys.stderr,
+          flush=True)
 
     def failed() -> str | None:
         return describe_failures(processes, log_files)
 
     try:
         conns, hellos, gate, relays = accept_workers(store, world, host="127.0.0.1", bind="127.0.0.1",
-                                                     scope=scope, alive=failed)
+                                                     scope=scope, alive=failed, meanwhile=warm_up)
     except BaseException:
         processes.close()
         raise
     hellos = {r: h._replace(log=log_files.get(r) or h.log) for r, h in hellos.items()}
     client = Client(conns, hellos, log_dir=log_dir, supervision=supervision, controller=controller,
                     process_failure=failed, relays=relays)
-    return Fleet(client, processes, store, log_files, gate)
+    return Fleet(client, processes, store, log_files, gate, pool_key=pool_key, scope=scope)
 
 
 def _mesh_for(fleet: Fleet, hosts: int, gpus_per_host: int) -> DeviceMesh:
@@ -132,22 +150,25 @@ def _mesh_for(fleet: Fleet, hosts: int, gpus_per_host: int) -> DeviceMesh:
 
 @contextlib.contextmanager
 def local_mesh(hosts: int = 1, gpus_per_host: int | None = None, *, backend: str | None = None,
-               log_dir: str | None = None, supervision=None, controller=None) -> Iterator[DeviceMesh]:
-    """A mesh of ``hosts x gpus_per_host`` fresh worker processes on this machine.
+               log_dir: str | None = None, supervision=None, controller=None,
+               pool: bool = True) -> Iterator[DeviceMesh]:
+    """A mesh of ``hosts x gpus_per_host`` worker processes on this machine.
 
     ``gpus_per_host=None`` means the visible CUDA devices, or 2 CPU workers without CUDA.
+    ``pool``: take warm workers a finished mesh of the same shape left (:mod:`tdmesh.pool`),
+    and leave this one's warm when it exits cleanly; ``False`` starts and stops fresh ones.
     Logs go to this terminal, or to per-process files under ``log_dir``.  Leaving the block
     shuts the fleet down and raises any remote error nobody observed.
     """
     with local_meshes(1, hosts, gpus_per_host, backend=backend, log_dir=log_dir,
-                      supervision=supervision, controller=controller) as meshes:
+                      supervision=supervision, controller=controller, pool=pool) as meshes:
         yield meshes[0]
 
 
 @contextlib.contextmanager
 def local_meshes(meshes: int = 2, hosts_per_mesh: int = 1, gpus_per_host: int | None = None, *,
                  backend: str | None = None, log_dir: str | None = None, supervision=None,
-                 controller=None) -> Iterator[list[DeviceMesh]]:
+                 controller=None, pool: bool = True) -> Iterator[list[DeviceMesh]]:
     """Several independent fleets at once; a failure in one leaves the others usable."""
     gpus = _default_gpus() if gpus_per_host is None else gpus_per_host
     if gpus < 1:
@@ -157,7 +178,8 @@ def local_meshes(meshes: int = 2, hosts_per_mesh: int = 1, gpus_per_host: int | 
         for i in range(meshes):
             sub_dir = os.path.join(log_dir, f"mesh{i}") if log_dir and meshes > 1 else log_dir
             offset = i * hosts_per_mesh * gpus if torch.cuda.is_available() else 0
-            fleets.append(_start_local_fleet(hosts_per_mesh, gpus, backend, sub_dir, offset, supervision, controller))
+            fleets.append(_start_local_fleet(hosts_per_mesh, gpus, backend, sub_dir, offset, supervision, controller,
+                                             pool))
         result = [_mesh_for(f, hosts_per_mesh, gpus) for f in fleets]
     except BaseException:
         for f in fleets:
@@ -195,7 +217,8 @@ def connect_world() -> Fleet:
     world = int(os.environ["WORLD_SIZE"])
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     store = connect_store()
-    conns, hellos, gate, relays = accept_workers(store, world, host=controller_host(), bind="0.0.0.0")
+    conns, hellos, gate, relays = accept_workers(store, world, host=controller_host(), bind="0.0.0.0",
+                                                 meanwhile=warm_up)
     fleet = Fleet(Client(conns, hellos, relays=relays), store=store, gate=gate)
     _world = _mesh_for(fleet, world // per_host, per_host)
     return fleet

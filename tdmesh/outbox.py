@@ -67,6 +67,10 @@ class Outbox:
         """Messages (and rank set definitions) queued and not yet sent."""
         return len(self.log) // 2
 
+    def sent(self, size: int, children: int) -> None:
+        self.frames += children
+        self.bytes_sent += size * children
+
     def take(self) -> bytes:
         payload = b"".join(self.log)
         self.log.clear()

@@ -163,6 +163,14 @@ def propagate(func, args: tuple, kwargs: dict, remote: list, key) -> Propagated:
     return result
 
 
+def warm_up() -> None:
+    """Run one op on the meta device: the first one imports torch._dynamo (its Python refs
+    are wrapped to disable it), ~0.8 s that the client would otherwise spend at the user's
+    first op.  ``local_mesh`` calls this while its workers boot."""
+    with torch._C.DisableTorchFunction():
+        torch.ones(2, device=_META).add(1).sum()
+
+
 def _run_on_meta(func, args, kwargs, leaf_metas):
     def to_meta(x):
         meta = leaf_metas.get(id(x))

@@ -17,6 +17,7 @@ from .config import env_str
 from .errors import UsageError
 
 SHUTDOWN = "shutdown"
+NEXT_JOB = "/next"  # under a parked fleet's scope (tdmesh.pool): the scope of its next job, or SHUTDOWN
 
 
 def job_scope() -> str:

@@ -28,6 +28,11 @@ _LOCAL: dict[str, Callable[..., torch.Tensor]] = {
 _group_info: dict = {}
 
 
+def clear_group_info() -> None:
+    """Forget every group's (backend, size, rank): after its groups are destroyed, ids recur."""
+    _group_info.clear()
+
+
 def _info(group) -> tuple[str, int, int]:
     """(backend, size, this rank's group rank), looked up once per group: the hot path of a
     stream of small reduces should not walk torch.distributed's registries every time."""

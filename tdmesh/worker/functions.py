@@ -17,6 +17,11 @@ from ..errors import ResolveError
 _cache: dict[Any, Callable] = {}
 
 
+def clear() -> None:
+    """Forget resolved functions (a pooled worker's next job may send other pickled ones)."""
+    _cache.clear()
+
+
 def resolve(function: Any) -> Callable:
     """The callable named by ``function`` (an import path or pickled bytes)."""
     try:

@@ -186,9 +186,11 @@ class Interpreter:
         threading.Thread(target=beat, name="tdmesh-heartbeat", daemon=True).start()
 
     def Detach(self, msg: m.Detach) -> None:
-        """Drain every stream and end this session; the worker then waits for the next client."""
+        """Drain every stream, forget its values (threads of this session may outlive it by a
+        heartbeat) and end this session; the worker then waits for the next client."""
         for s in list(self.streams.values()):
             s.close()
+            s.env.clear()
         self.exit_request = msg
 
     def Exit(self, msg: m.Exit) -> None:

@@ -20,7 +20,7 @@ from ..config import cpu_forced, env_float, env_int, env_str
 from ..errors import ProtocolViolation
 from ..fanout import relay_parents, subtree_hosts
 from ..relay import Relay
-from ..rendezvous import connect_store, job_scope, reachable_host, read_controller, store_address
+from ..rendezvous import NEXT_JOB, SHUTDOWN, connect_store, job_scope, reachable_host, read_controller, store_address
 from ..transport import ProtocolError, RankFilter, connect
 from .interpreter import Interpreter
 from .values import DeviceBroken
@@ -68,23 +68,49 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
     backend = env_str("TDMESH_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
     store = connect_store()
     kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, store=dist.PrefixStore(job_scope() + "/pg", store), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=env_float("TDMESH_PG_TIMEOUT")),
-                            **kwargs)
-    if attachable:
-        return _serve_attached(rank, world_size, device, store)
-    found = read_controller(store)
-    if found is None:
-        log.info("rank %d: the job ended before a client started", rank)
-        dist.destroy_process_group()
-        return 0, True
-    host, port, token = found
-    if world_size > 1 and env_str("TDMESH_RELAYS") in ("auto", "1"):
-        host, port = _through_relay(store, rank, world_size, (host, port), token)
-    code, clean, _ = _session(rank, device, connect(host, port), token)
-    if clean:
-        dist.destroy_process_group()
-    return code, clean
+    seed = torch.initial_seed()
+    while True:
+        dist.init_process_group(backend, store=dist.PrefixStore(job_scope() + "/pg", store), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=env_float("TDMESH_PG_TIMEOUT")),
+                                **kwargs)
+        if attachable:
+            return _serve_attached(rank, world_size, device, store)
+        found = read_controller(store)
+        if found is None:
+            log.info("rank %d: the job ended before a client started", rank)
+            dist.destroy_process_group()
+            return 0, True
+        host, port, token = found
+        if world_size > 1 and env_str("TDMESH_RELAYS") in ("auto", "1"):
+            host, port = _through_relay(store, rank, world_size, (host, port), token)
+        code, clean, detached = _session(rank, device, connect(host, port), token)
+        if clean:
+            dist.destroy_process_group()
+        if not (clean and detached and env_str("TDMESH_SCOPE")):
+            return code, clean
+        scope = _park(store, device, seed)  # a local_mesh's warm worker: wait for the next job
+        if scope is None:
+            return 0, True
+        os.environ["TDMESH_SCOPE"] = scope
+
+
+def _park(store, device: torch.device, seed: int) -> str | None:
+    """Between two local meshes (tdmesh.pool): forget the last job's caches, put torch's
+    global state back as a fresh process has it, and wait for the next job's scope."""
+    import gc
+
+    from . import collectives, functions
+    collectives.clear_group_info()
+    functions.clear()
+    gc.collect()  # the last session's ref table sits in cycles (streams, threads): free its tensors now
+    torch.manual_seed(seed)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    scope = store.get(job_scope() + NEXT_JOB).decode()
+    return None if scope == SHUTDOWN else scope
 
 
 def _through_relay(store, rank: int, world_size: int, client: tuple[str, int], token: str) -> tuple[str, int]:

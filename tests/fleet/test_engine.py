@@ -337,7 +337,7 @@ def test_unobserved_error_is_raised_when_the_mesh_exits():
 
 
 def test_exit_is_idempotent_and_leaves_no_process(tmp_path, capfd):
-    with tdmesh.local_mesh(hosts=1, gpus_per_host=2, log_dir=str(tmp_path)) as mesh:
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2, log_dir=str(tmp_path), pool=False) as mesh:
         pids = [h.pid for h in mesh.client.hellos.values()]
         with mesh.activate():
             got = inspect(torch.ones(1))

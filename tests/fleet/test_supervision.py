@@ -70,6 +70,7 @@ def _watch(pids) -> None:
 
 def fresh_mesh(gpus: int = 1, **kw):
     kw.setdefault("supervision", FAST)
+    kw.setdefault("pool", False)  # these tests watch the workers' lives: no warm pool
     return tdmesh.local_mesh(hosts=1, gpus_per_host=gpus, **kw)
 
 
@@ -321,7 +322,7 @@ def test_torchrun_restarts_a_failed_job(tmp_path):
 
 # ----------------------------------------------------------------------------- isolation
 def test_a_dead_mesh_does_not_take_the_others_down():
-    with tdmesh.local_meshes(meshes=2, hosts_per_mesh=1, gpus_per_host=1, supervision=FAST) as (a, b):
+    with tdmesh.local_meshes(meshes=2, hosts_per_mesh=1, gpus_per_host=1, supervision=FAST, pool=False) as (a, b):
         pids = worker_pids(a) + worker_pids(b)
         with a.activate():
             xa = torch.ones(2) + 1
@@ -346,7 +347,7 @@ def test_a_dead_mesh_does_not_take_the_others_down():
 
 def test_an_unobserved_device_exception_is_raised_at_exit():
     with pytest.raises(DeviceException, match="killed by signal SIGKILL") as exit_info:
-        with tdmesh.local_meshes(meshes=2, hosts_per_mesh=1, gpus_per_host=1, supervision=FAST) as (a, b):
+        with tdmesh.local_meshes(meshes=2, hosts_per_mesh=1, gpus_per_host=1, supervision=FAST, pool=False) as (a, b):
             pids = worker_pids(a) + worker_pids(b)
             os.kill(pids[0], signal.SIGKILL)
             deadline = time.monotonic() + EXIT_BOUND
