@@ -21,6 +21,7 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -214,7 +215,19 @@ def main(argv=None) -> None:
     parser.add_argument("--direct", action="store_true", help="also run the real layouts with relays off")
     parser.add_argument("--plot", default="", help="write a PNG plot here")
     parser.add_argument("--quick", action="store_true", help="CI smoke: tiny layouts")
+    parser.add_argument("--save", default="", help="also write the rows as JSON here")
+    parser.add_argument("--load", default="", help="print (and --plot) rows a --save wrote; run nothing")
     args = parser.parse_args(argv)
+    if args.load:
+        with open(args.load) as f:
+            saved = json.load(f)
+        print(saved["machine"])
+        for title, key in (("(a) real CPU workers", "real"), ("(b) simulated fleet", "sim")):
+            if saved[key]:
+                print_rows(title + " (ratios against the first row)", saved[key])
+        if args.plot:
+            plot(saved["real"], saved["sim"], args.plot)
+        return
     if args.quick:
         args.real, args.sim, args.ops, args.fetches = "1x1,2x1", "1x1,2x2,3x2", 300, 3
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -228,6 +241,9 @@ def main(argv=None) -> None:
     sim = run_sim(_layouts(args.sim), args.ops, args.fetches, args.fanout) if args.sim else []
     if sim:
         print_rows("(b) simulated fleet: sinks behind real relays (ratios against the first row)", sim)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({"machine": h.machine_line(), "real": real, "sim": sim}, f, indent=1)
     if args.plot:
         plot(real, sim, args.plot)
 
