@@ -92,13 +92,14 @@ def run_real(layouts, ops: int, fetches: int, direct: bool) -> list[dict]:
                 continue
             os.environ["TDMESH_RELAYS"] = value  # read by the workers local_mesh starts
             start = time.perf_counter()
-            with tdmesh.local_mesh(hosts=hosts, gpus_per_host=gpus) as mesh:
+            with tdmesh.local_mesh(hosts=hosts, gpus_per_host=gpus, pool=False) as mesh:
                 started = time.perf_counter() - start
                 row = _measure(tdmesh, torch, mesh, ops, fetches)
                 exit_start = time.perf_counter()
             row.update(layout=f"{hosts}x{gpus}", ranks=hosts * gpus, mode=label if hosts * gpus > 1 else "direct",
                        start_s=started, exit_s=time.perf_counter() - exit_start)
             rows.append(row)
+            print("row", json.dumps(row), flush=True)
     os.environ.pop("TDMESH_RELAYS", None)
     return rows
 
@@ -153,6 +154,7 @@ def run_sim(layouts, ops: int, fetches: int, fanout: int) -> list[dict]:
             row.update(layout=f"{hosts}x{per_host}", ranks=world, mode="direct" if world == 1 else "relays",
                        start_s=started, exit_s=time.perf_counter() - exit_start, children=len(conns))
             rows.append(row)
+            print("row", json.dumps(row), flush=True)
         finally:
             for p in procs:
                 try:

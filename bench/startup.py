@@ -9,8 +9,10 @@ Run from the repository root:
 Each cold run is a new ``python`` process that imports torch and tdmesh, enters
 ``local_mesh(hosts=1, gpus_per_host=G)``, runs ``torch.ones(3) + 1`` and fetches it, then
 exits the mesh.  Phases: import, start (entering ``local_mesh``: workers spawned, booted and
-connected), first fetch (the op and its round trip), exit; "to fetch" is start + first fetch
-(from the ``local_mesh`` call) and "total" is import + that.  The same process then opens the
+connected), first fetch (the op and its round trip), the first collective (a reduce over the
+workers and its fetch: a warm GPU worker makes its NCCL communicator there), exit (of a pooled
+mesh: parking its workers); "to fetch" is start + first fetch (from the ``local_mesh`` call) and
+"total" is import + that.  The same process then opens the
 same mesh again: the warm rows time a mesh taken from the warm pool.  ``--monarch`` runs the
 same steps with Monarch's tensor engine (``this_host().spawn_procs`` + ``spawn_tensor_engine``)
 in the given interpreter, in the same run.
@@ -42,10 +44,13 @@ for warm in range({warm} + 1):
         b = time.perf_counter()
         with mesh.activate():
             value = tdmesh.fetch_shard(torch.ones(3) + 1).result()
-        c = time.perf_counter()
+            c = time.perf_counter()
+            total = tdmesh.fetch_shard(torch.ones(3).reduce("gpu")).result()  # the first collective
+            e = time.perf_counter()
     d = time.perf_counter()
-    assert value.tolist() == [2.0, 2.0, 2.0]
-    rows.append(dict(import_s=t1 - t0 if not rows else 0.0, start_s=b - a, fetch_s=c - b, exit_s=d - c))
+    assert value.tolist() == [2.0, 2.0, 2.0] and total.tolist() == [{gpus}.0] * 3
+    rows.append(dict(import_s=t1 - t0 if not rows else 0.0, start_s=b - a, fetch_s=c - b, exit_s=d - e,
+                     collective_s=e - c))
 print("RESULT", json.dumps(rows))
 """
 
@@ -84,8 +89,9 @@ def _row(name: str, runs: list[dict]) -> list[str]:
         return statistics.median(r[key] for r in runs)
     to_fetch = statistics.median(r["start_s"] + r["fetch_s"] for r in runs)
     total = statistics.median(r["import_s"] + r["start_s"] + r["fetch_s"] for r in runs)
+    collective = f"{med('collective_s'):.3f}" if all("collective_s" in r for r in runs) else "-"
     return [name, str(len(runs)), f"{med('import_s'):.3f}", f"{med('start_s'):.3f}", f"{med('fetch_s'):.3f}",
-            f"{to_fetch:.3f}", f"{total:.3f}", f"{med('exit_s'):.3f}"]
+            f"{to_fetch:.3f}", f"{total:.3f}", collective, f"{med('exit_s'):.3f}"]
 
 
 def main(argv=None) -> None:
@@ -111,7 +117,8 @@ def main(argv=None) -> None:
     if monarch:
         table.append(_row("monarch cold", monarch))
     print(f"\n{args.gpus} worker(s); seconds, medians (to fetch = start + first fetch; total = import + to fetch)")
-    h.print_table(["system", "runs", "import", "start", "first fetch", "to fetch", "total", "exit"], table)
+    h.print_table(["system", "runs", "import", "start", "first fetch", "to fetch", "total", "1st collective",
+                   "exit"], table)
     if monarch:
         ours = statistics.median(r["import_s"] + r["start_s"] + r["fetch_s"] for r in cold)
         theirs = statistics.median(r["import_s"] + r["start_s"] + r["fetch_s"] for r in monarch)

@@ -70,9 +70,11 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
     kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     seed = torch.initial_seed()
     while True:
+        began = time.monotonic()
         dist.init_process_group(backend, store=dist.PrefixStore(job_scope() + "/pg", store), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=env_float("TDMESH_PG_TIMEOUT")),
                                 **kwargs)
+        log.info("rank %d: process group (%s) ready in %.3f s", rank, backend, time.monotonic() - began)
         if attachable:
             return _serve_attached(rank, world_size, device, store)
         found = read_controller(store)
@@ -92,6 +94,7 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
         if scope is None:
             return 0, True
         os.environ["TDMESH_SCOPE"] = scope
+        kwargs = {}  # a warm worker's NCCL communicator is made at its first collective, not up front
 
 
 def _park(store, device: torch.device, seed: int) -> str | None:
