@@ -20,24 +20,16 @@ from collections.abc import Callable
 
 from . import messages as m
 from .client import Client
-from .config import env_float, env_str
+from .config import env_float
 from .errors import DeviceException
-from .rendezvous import new_token, publish_controller
+from .rendezvous import new_token, publish_controller, reachable_host
 from .transport import DEFAULT_MAX_FRAME, Connection, ProtocolError
 
 log = logging.getLogger("tdmesh")
 
 
 def controller_host() -> str:
-    host = env_str("TDMESH_CONTROLLER_HOST")
-    if host:
-        return host
-    name = socket.gethostname()
-    try:
-        socket.getaddrinfo(name, None)
-        return name
-    except OSError:
-        return "127.0.0.1"
+    return reachable_host("TDMESH_CONTROLLER_HOST")
 
 
 class _HelloUnpickler(pickle.Unpickler):

@@ -49,11 +49,11 @@ def connect_store(timeout: float = 1800.0) -> TCPStore:
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
 
 
-def reachable_host() -> str:
-    """This host's address for peers on other hosts (a relay's): ``TDMESH_RELAY_HOST``, else
-    the host name when it resolves, else loopback."""
+def reachable_host(variable: str = "TDMESH_RELAY_HOST") -> str:
+    """This host's address for peers on other hosts (a relay's, or the client's): the variable's
+    value, else the host name when it resolves, else loopback."""
     import socket
-    host = env_str("TDMESH_RELAY_HOST")
+    host = env_str(variable)
     if host:
         return host
     name = socket.gethostname()

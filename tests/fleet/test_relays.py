@@ -85,33 +85,19 @@ def test_beyond_the_fanout_relays_form_a_tree(env):
         assert inspect(x.reduce("host"), host=4, gpu=0).tolist() == [10.0] * 3
 
 
-def test_killing_a_relay_host_worker_names_the_relay_and_its_ranks():
+@pytest.mark.parametrize("victim", [2, 3], ids=["host 1's first worker, which runs its relay", "a rank behind it"])
+def test_killing_a_worker_of_a_relayed_host_names_it(victim):
     with pytest.raises(DeviceException) as err:
         with tdmesh.local_mesh(hosts=2, gpus_per_host=2, supervision=FAST) as mesh, mesh.activate():
             pids = _pids(mesh)
             x = torch.ones(2) + 1
             assert inspect(x, host=1, gpu=1).tolist() == [2.0, 2.0]
-            os.kill(pids[2], signal.SIGKILL)  # rank 2: host 1's first worker, which runs its relay
+            os.kill(pids[victim], signal.SIGKILL)
             start = time.monotonic()
             fetch_shard(x * 2, host=0, gpu=0).result(timeout=30)
     assert time.monotonic() - start < 5.0
     text = str(err.value)
-    assert f"worker rank 2 (host {HOST}, pid {pids[2]}" in text, text
-    assert not _gone(pids), "workers outlived their fleet"
-
-
-def test_killing_a_rank_behind_a_relay_names_that_rank():
-    with pytest.raises(DeviceException) as err:
-        with tdmesh.local_mesh(hosts=2, gpus_per_host=2, supervision=FAST) as mesh, mesh.activate():
-            pids = _pids(mesh)
-            x = torch.ones(2) + 1
-            assert inspect(x, host=1, gpu=1).tolist() == [2.0, 2.0]
-            os.kill(pids[3], signal.SIGKILL)
-            start = time.monotonic()
-            fetch_shard(x * 2, host=0, gpu=0).result(timeout=30)
-    assert time.monotonic() - start < 5.0
-    text = str(err.value)
-    assert f"worker rank 3 (host {HOST}, pid {pids[3]}" in text and "SIGKILL" in text, text
+    assert f"worker rank {victim} (host {HOST}, pid {pids[victim]}" in text and "SIGKILL" in text, text
     assert not _gone(pids), "workers outlived their fleet"
 
 
