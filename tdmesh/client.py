@@ -30,7 +30,7 @@ from .future import Future
 from .history import History
 from .outbox import Outbox
 from .supervisor import FleetFailure, FleetInfo, Supervisor
-from .transport import ENTRY, Connection, encode
+from .transport import Connection, encode
 
 log = logging.getLogger("tdmesh")
 
@@ -41,7 +41,6 @@ _FLUSH_BYTES = 256 * 1024
 _BARE = (m.CallOp, m.CallRecording)
 _COALESCED_BATCH_BYTES = 16 * 1024
 _dumps = pickle.dumps  # transport.encode, without the call: submit runs once per op
-_pack = ENTRY.pack
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _monotonic = time.monotonic
 _FLUSH_INTERVAL = 0.002
@@ -144,11 +143,8 @@ class Client:
             # CallOps and CallRecordings travel as bare tuples (see messages.CallOp)
             data = _dumps(tuple(msg) if type(msg) in _BARE else msg, _PROTOCOL)
             outbox = self.outbox
-            found = outbox._by_identity.get(id(ranks))  # Outbox.put inlined: once per op
-            set_id = found[1] if found is not None and found[0] is ranks else outbox.set_id(ranks)
-            outbox.log.append(_pack(set_id, len(data)))
-            outbox.log.append(data)
-            outbox.bytes += len(data)
+            found = outbox.known.get(id(ranks))  # Outbox.set_id's first lookup, inlined: once per op
+            outbox.append(found[1] if found is not None and found[0] is ranks else outbox.set_id(ranks), data)
             if seq is not None:
                 self._ops_since_probe += 1
                 if self._ops_since_probe >= self._probe_every:
@@ -229,7 +225,8 @@ class Client:
 
     def delete_refs(self, refs, mesh) -> None:
         with self.lock:
-            self._deletes.setdefault(mesh, (mesh, []))[1].extend(() if self.closed else refs)
+            if not self.closed:
+                self._deletes.setdefault(mesh, (mesh, []))[1].extend(refs)
 
     def _queue_deletes(self) -> None:
         deletes, self._deletes = self._deletes, {}

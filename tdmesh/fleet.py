@@ -9,9 +9,7 @@ one authenticated connection per rank.
 from __future__ import annotations
 
 import hmac
-import io
 import logging
-import pickle
 import queue
 import socket
 import threading
@@ -23,7 +21,7 @@ from .client import Client
 from .config import env_float
 from .errors import DeviceException
 from .rendezvous import new_token, publish_controller, reachable_host
-from .transport import DEFAULT_MAX_FRAME, Connection, ProtocolError
+from .transport import DEFAULT_MAX_FRAME, Connection, decode_hello, hello_ranks
 
 log = logging.getLogger("tdmesh")
 
@@ -32,44 +30,12 @@ def controller_host() -> str:
     return reachable_host("TDMESH_CONTROLLER_HOST")
 
 
-class _HelloUnpickler(pickle.Unpickler):
-    """Decodes a stranger's first frame.  Unpickling runs whatever globals a pickle names, so
-    before the token is checked nothing but a ``Hello`` (and pickle's primitive values) may be
-    built from it: a plain ``pickle.loads`` here would run a stranger's code in the client."""
-
-    def find_class(self, module: str, name: str):
-        if module == m.Hello.__module__ and name in ("Hello", "RelayHello"):  # a relay's holds its ranks' Hellos
-            return getattr(m, name)
-        raise pickle.UnpicklingError(f"a first frame may only hold a Hello, not {module}.{name}")
-
-
-def _decode_hello(payload) -> object:
-    stream = io.BytesIO(payload)
-    hello = _HelloUnpickler(stream).load()
-    if stream.tell() != len(payload):
-        raise ProtocolError(f"{len(payload) - stream.tell()} bytes after the first message")
-    return hello
-
-
 def _cut(sock: socket.socket) -> None:
     """End a first frame that is taking too long: the reader sees the connection close."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
-
-
-def _ranks_of(hello) -> list | None:
-    """The ranks a hello speaks for: a worker's own, or every rank behind a relay (checked
-    against the Hellos it carries)."""
-    if type(hello) is m.Hello:
-        return [hello.rank]
-    if not (isinstance(hello.first, int) and isinstance(hello.end, int) and isinstance(hello.hellos, tuple)):
-        return None
-    ranks = list(range(hello.first, hello.end))
-    if [getattr(h, "rank", None) for h in hello.hellos] != ranks or not all(type(h) is m.Hello for h in hello.hellos):
-        return None
-    return ranks
 
 
 def _not_open(hello) -> str:
@@ -130,7 +96,7 @@ class Gatekeeper:
             deadline.start()
             try:
                 payload = conn.recv_payload()
-                hello = None if payload is None else _decode_hello(payload)
+                hello = None if payload is None else decode_hello(payload)
             except Exception as e:  # noqa: BLE001 - whatever a stranger sends
                 return self._refuse(conn, peer, f"{type(e).__name__}: {e}")
             finally:
@@ -157,7 +123,7 @@ class Gatekeeper:
 
     def admit(self, conn: Connection, hello, peer, world_size: int, taken) -> bool:
         """Whether an authenticated connection gets its rank (a relay: its ranks); refused (and closed) if not."""
-        ranks = _ranks_of(hello)
+        ranks = hello_ranks(hello)
         if ranks is None or not all(isinstance(r, int) and 0 <= r < world_size and r not in taken for r in ranks):
             self._refuse(conn, peer, _not_open(hello))
             return False

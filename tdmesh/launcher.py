@@ -77,13 +77,13 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
     # workers inherit this process's environment: only an identical one may reuse parked workers
     # (but torch's first compile-related import sets an inductor cache directory in it)
     inherited = frozenset(kv for kv in os.environ.items() if not kv[0].startswith("TORCHINDUCTOR_"))
-    key = (hosts, gpus_per_host, backend, cuda, device_offset, log_dir, tuple(sys.path), inherited)
-    parked = warm_pool.take(key) if pool and warm_pool.idle_timeout() > 0 else None
+    key = (hosts, gpus_per_host, backend, cuda, device_offset, log_dir, tuple(sys.path), inherited) if pool else None
+    parked = warm_pool.take(key) if key is not None and warm_pool.idle_timeout() > 0 else None
     if parked is not None:
-        parked.store.set(parked.scope + warm_pool.NEXT, scope)  # the parked workers join this job
+        parked.store.set(parked.scope + warm_pool.NEXT_JOB, scope)  # the parked workers join this job
         return _accept(hosts, gpus_per_host, parked.processes, parked.store, scope, parked.log_files, log_dir,
-                       supervision, controller, key if pool else None,
-                       f"from the warm pool ({hosts} host x {gpus_per_host}, {backend})", cuda)
+                       supervision, controller, key, f"from the warm pool ({hosts} host x {gpus_per_host}, {backend})",
+                       cuda)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=1800))
     base_env = {
         "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(gpus_per_host),
@@ -117,8 +117,8 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
     if log_dir:
         for rank in range(world):
             log_files[rank] = processes.stderrs.get(rank) if hasattr(processes, "stderrs") else None
-    return _accept(hosts, gpus_per_host, processes, store, scope, log_files, log_dir, supervision, controller,
-                   key if pool else None, f"({hosts} host x {gpus_per_host}, {backend})", cuda)
+    return _accept(hosts, gpus_per_host, processes, store, scope, log_files, log_dir, supervision, controller, key,
+                   f"({hosts} host x {gpus_per_host}, {backend})", cuda)
 
 
 def _accept(hosts, gpus_per_host, processes, store, scope, log_files, log_dir, supervision, controller, pool_key,

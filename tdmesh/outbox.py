@@ -23,18 +23,17 @@ _IDENTITY_CACHE = 4096
 
 class Outbox:
     def __init__(self, world: tuple[int, ...]) -> None:
-        self.world = world
         self.log: list[bytes] = []   # header, pickle, header, pickle ...
         self.bytes = 0
         self.frames = 0              # frames sent, over every child
         self.bytes_sent = 0          # their payloads' bytes
-        self._by_identity: dict[int, tuple[object, int]] = {}  # id(ranks) -> (ranks, set id)
+        self.known: dict[int, tuple[object, int]] = {}  # id(ranks) -> (ranks, set id): the hot path reads it
         self._by_slices: dict[tuple, int] = {}
         self._all = frozenset(world)
 
     def set_id(self, ranks) -> int:
         """The id of rank set ``ranks`` (a mesh's rank list, or any sequence), defined on first use."""
-        found = self._by_identity.get(id(ranks))
+        found = self.known.get(id(ranks))
         if found is not None and found[0] is ranks:
             return found[1]
         if len(ranks) == len(self._all) and self._all.issuperset(ranks):
@@ -47,19 +46,19 @@ class Outbox:
             definition = pickle.dumps((set_id, slices), protocol=pickle.HIGHEST_PROTOCOL)
             self.log.append(_pack(DEFINE_SET, len(definition)))
             self.log.append(definition)
-        if len(self._by_identity) >= _IDENTITY_CACHE:
-            self._by_identity.clear()
-        self._by_identity[id(ranks)] = (ranks, set_id)  # holding ``ranks``: its id is not reused
+        if len(self.known) >= _IDENTITY_CACHE:
+            self.known.clear()
+        self.known[id(ranks)] = (ranks, set_id)  # holding ``ranks``: its id is not reused
         return set_id
 
     def put(self, ranks, data: bytes) -> None:
-        set_id = self.set_id(ranks)
-        self.log.append(_pack(set_id, len(data)))
-        self.log.append(data)
-        self.bytes += len(data)
+        self.append(self.set_id(ranks), data)
 
     def put_all(self, data: bytes) -> None:
-        self.log.append(_pack(ALL_RANKS, len(data)))
+        self.append(ALL_RANKS, data)
+
+    def append(self, set_id: int, data: bytes) -> None:
+        self.log.append(_pack(set_id, len(data)))
         self.log.append(data)
         self.bytes += len(data)
 

@@ -23,9 +23,7 @@ from typing import Any, NamedTuple
 from .config import env_float
 from .rendezvous import NEXT_JOB, SHUTDOWN
 
-__all__ = ["Parked", "park", "take", "clear", "parked_count"]
-
-NEXT = NEXT_JOB
+__all__ = ["Parked", "park", "take", "clear", "parked_count", "NEXT_JOB"]
 
 
 class Parked(NamedTuple):
@@ -84,7 +82,7 @@ def clear() -> None:
 
 def _stop(entry: Parked) -> None:
     with contextlib.suppress(Exception):
-        entry.store.set(entry.scope + NEXT, SHUTDOWN)
+        entry.store.set(entry.scope + NEXT_JOB, SHUTDOWN)
     try:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and entry.processes.wait(timeout=0.1, period=0.02) is None:
@@ -94,24 +92,21 @@ def _stop(entry: Parked) -> None:
 
 
 def _reap() -> None:
-    while True:
+    """Stop fleets parked longer than the idle timeout; end when none is left (``park`` restarts it)."""
+    global _reaper
+    done = False
+    while not done:
         time.sleep(0.5)
-        now = time.monotonic()
-        idle = idle_timeout()
+        now, idle = time.monotonic(), idle_timeout()
         with _lock:
             old = [e for v in _parked.values() for e in v if now - e.since > idle]
             for e in old:
                 _parked[e.key].remove(e)
-            if not any(_parked.values()):
-                global _reaper
+            done = not any(_parked.values())
+            if done:
                 _reaper = None
-                done = True
-            else:
-                done = False
         for e in old:
             _stop(e)
-        if done:
-            return
 
 
 atexit.register(clear)

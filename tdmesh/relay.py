@@ -1,7 +1,7 @@
 """A host's relay: the client's frames go to each host once, and come back aggregated.
 
-Each host's first worker runs one (a thread: see ``RELAYS`` in README for the measurement
-that chose it).  The relay listens; the host's ranks and the relays of its subtree
+Each host's first worker runs one, on a thread (README §"Many hosts"; bench/README has what
+was measured).  The relay listens; the host's ranks and the relays of its subtree
 (:mod:`tdmesh.fanout`) connect and say hello; then it connects to its parent (the client, or
 another host's relay) with one :class:`~tdmesh.messages.RelayHello` for all of them.
 
@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from . import messages as m
-from .transport import MAGIC, RELAY_MAGIC, Connection, ProtocolError, connect
+from .transport import MAGIC, RELAY_MAGIC, Connection, ProtocolError, connect, decode_hello, hello_ranks
 
 log = logging.getLogger("tdmesh.relay")
 
@@ -106,7 +106,10 @@ class Relay:
             conn = Connection(sock, max_frame=1 << 24)
             try:
                 sock.settimeout(self.HELLO_TIMEOUT)
-                hello = _first_message(conn)
+                payload = conn.recv_payload()
+                if payload is None:
+                    raise ProtocolError("closed before saying hello")
+                hello = decode_hello(payload)
                 sock.settimeout(None)
             except (OSError, ProtocolError, pickle.UnpicklingError) as e:
                 log.warning("host %d's relay refused a connection from %s: %s", self.host, peer, e)
@@ -119,9 +122,8 @@ class Relay:
                 want.discard(hello.rank)
                 self.hellos[hello.rank] = hello
                 self.children.append(_Child(conn, hello.rank, (hello.rank,), False))
-            elif type(hello) is m.RelayHello and want.issuperset(range(hello.first, hello.end)) and \
-                    [h.rank for h in hello.hellos] == list(range(hello.first, hello.end)):
-                want.difference_update(range(hello.first, hello.end))
+            elif type(hello) is m.RelayHello and (ranks := hello_ranks(hello)) is not None and want.issuperset(ranks):
+                want.difference_update(ranks)
                 self.hellos.update({h.rank: h for h in hello.hellos})
                 self.children.append(_Child(conn, hello.first, tuple(range(hello.first, hello.end)), True))
             else:
@@ -234,19 +236,3 @@ class Relay:
         child.lost = True
         assert self.up is not None
         self.up.send_messages([m.RanksLost(child.ranks, why)])
-
-
-def _first_message(conn: Connection):
-    payload = conn.recv_payload()
-    if payload is None:
-        raise ProtocolError("closed before saying hello")
-    return _HelloReader(io.BytesIO(payload)).load()
-
-
-class _HelloReader(pickle.Unpickler):
-    """A first frame may hold only a Hello or a RelayHello (of Hellos), nothing that runs code."""
-
-    def find_class(self, module: str, name: str):
-        if module == m.__name__ and name in ("Hello", "RelayHello"):
-            return getattr(m, name)
-        raise pickle.UnpicklingError(f"a first frame may only hold a hello, not {module}.{name}")

@@ -18,10 +18,11 @@ import socket
 import struct
 from collections.abc import Iterable, Iterator
 
+from . import messages as m
 from .errors import ProtocolError
 
 __all__ = ["MAGIC", "RELAY_MAGIC", "DEFAULT_MAX_FRAME", "Connection", "ProtocolError", "connect", "decode",
-           "encode", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter"]
+           "encode", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter", "decode_hello", "hello_ranks"]
 
 MAGIC = b"TDM1"
 RELAY_MAGIC = b"TDMR"  # a frame for the relay itself (its configuration), not forwarded to workers
@@ -95,6 +96,41 @@ class RankFilter:
             raise ProtocolError(f"undecodable entry at byte {pos} of a {end}-byte frame: "
                                 f"{type(e).__name__}: {e}") from e
         return out
+
+
+class _HelloUnpickler(pickle.Unpickler):
+    """Decodes a stranger's first frame.  Unpickling runs whatever globals a pickle names, so
+    before the token is checked nothing but a ``Hello`` or a relay's ``RelayHello`` (of Hellos)
+    and pickle's primitive values may be built from it: a plain ``pickle.loads`` would run a
+    stranger's code in the client (or a relay)."""
+
+    def find_class(self, module: str, name: str):
+        if module == m.__name__ and name in ("Hello", "RelayHello"):
+            return getattr(m, name)
+        raise pickle.UnpicklingError(f"a first frame may only hold a Hello, not {module}.{name}")
+
+
+def decode_hello(payload) -> object:
+    """The one message of a first frame, decoded safely (see ``_HelloUnpickler``)."""
+    stream = io.BytesIO(payload)
+    hello = _HelloUnpickler(stream).load()
+    if stream.tell() != len(payload):
+        raise ProtocolError(f"{len(payload) - stream.tell()} bytes after the first message")
+    return hello
+
+
+def hello_ranks(hello) -> list | None:
+    """The ranks a hello speaks for: a worker's own, or every rank behind a relay (checked
+    against the Hellos it carries); None for anything malformed."""
+    if type(hello) is m.Hello:
+        return [hello.rank]
+    if type(hello) is not m.RelayHello or not (isinstance(hello.first, int) and isinstance(hello.end, int)
+                                               and isinstance(hello.hellos, tuple)):
+        return None
+    ranks = list(range(hello.first, hello.end))
+    if [getattr(h, "rank", None) for h in hello.hellos] != ranks or not all(type(h) is m.Hello for h in hello.hellos):
+        return None
+    return ranks
 
 
 class Connection:
