@@ -127,7 +127,8 @@ def _through_relay(store, rank: int, world_size: int, client: tuple[str, int], t
         subtree = subtree_hosts(host, hosts, fanout)
         loopback = client[0] == "127.0.0.1"  # local_mesh: every "host" is this machine
         relay = Relay(host, host * per_host, subtree.stop * per_host, token,
-                      bind="127.0.0.1" if loopback else "0.0.0.0", heartbeat_interval=env_float("TDMESH_HEARTBEAT_INTERVAL"),
+                      bind="127.0.0.1" if loopback else "0.0.0.0",
+                      heartbeat_interval=env_float("TDMESH_HEARTBEAT_INTERVAL"),
                       heartbeat_timeout=env_float("TDMESH_HEARTBEAT_TIMEOUT"))
         store.set(key, f"{'127.0.0.1' if loopback else reachable_host()}:{relay.port}")
         parent = relay_parents(hosts, fanout)[host]
