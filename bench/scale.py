@@ -11,7 +11,8 @@ Run from the repository root:
     host, on a thread of its first worker), N adds of 100x100 then a fetch: dispatch ops/s and
     its ratio to the 1-worker row of the same run, the client's issue time per op, frames the
     client sent per op, the median fetch latency (from one rank, fleet idle) and exit time.
-    ``--direct`` adds the same layouts with relays off (every rank connected to the client).
+    ``--direct`` adds the same layouts with relays off (every rank connected to the client);
+    ``--hogs N`` adds 1 worker beside N busy processes: the host's shared cores without tdmesh.
 (b) ``--sim``: H processes of ``bench/sim_host.py`` (no torch), each the real relay of one host
     and a sink answering for its G ranks; the client is this process's real client.  Issue
     time per op (wall and the client thread's CPU), frames and bytes per op, fetch latency;
@@ -80,26 +81,40 @@ def _bytes_sent(client) -> int:
     return client.outbox.bytes_sent
 
 
-def run_real(layouts, ops: int, fetches: int, direct: bool) -> list[dict]:
+def _start_hogs(n: int) -> list[subprocess.Popen]:
+    """``n`` processes that keep one core each busy: the control run that tells the host's
+    shared cores apart from tdmesh's own per-op cost."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def run_real(layouts, ops: int, fetches: int, direct: bool, hogs: int = 0) -> list[dict]:
     import torch
 
     import tdmesh
     rows = []
     modes = [("relays", "auto")] + ([("direct", "0")] if direct else [])
-    for hosts, gpus in layouts:
-        for label, value in modes:
-            if label == "direct" and hosts * gpus == 1:
-                continue
+    runs = [(hosts, gpus, label, value) for hosts, gpus in layouts for label, value in modes
+            if label != "direct" or hosts * gpus > 1]
+    if hogs:
+        runs.append((1, 1, f"1 worker + {hogs} busy", "auto"))
+    for hosts, gpus, label, value in runs:
+        busy = _start_hogs(hogs) if label.endswith("busy") else []
+        try:
             os.environ["TDMESH_RELAYS"] = value  # read by the workers local_mesh starts
             start = time.perf_counter()
             with tdmesh.local_mesh(hosts=hosts, gpus_per_host=gpus, pool=False) as mesh:
                 started = time.perf_counter() - start
                 row = _measure(tdmesh, torch, mesh, ops, fetches)
                 exit_start = time.perf_counter()
-            row.update(layout=f"{hosts}x{gpus}", ranks=hosts * gpus, mode=label if hosts * gpus > 1 else "direct",
-                       start_s=started, exit_s=time.perf_counter() - exit_start)
-            rows.append(row)
-            print("row", json.dumps(row), flush=True)
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+        mode = label if hosts * gpus > 1 or busy else "direct"
+        row.update(layout=f"{hosts}x{gpus}", ranks=hosts * gpus, mode=mode, start_s=started,
+                   exit_s=time.perf_counter() - exit_start)
+        rows.append(row)
+        print("row", json.dumps(row), flush=True)
     os.environ.pop("TDMESH_RELAYS", None)
     return rows
 
@@ -187,7 +202,7 @@ def plot(real: list[dict], sim: list[dict], path: str) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for rows, label, marker in ((real, "real CPU workers", "o"), (sim, "simulated fleet", "s")):
-        rows = [r for r in rows if r["mode"] != "direct" or r["ranks"] == 1]
+        rows = [r for r in rows if r["mode"] == "relays" or (r["mode"] == "direct" and r["ranks"] == 1)]
         if not rows:
             continue
         xs = [r["ranks"] for r in rows]
@@ -215,6 +230,8 @@ def main(argv=None) -> None:
     parser.add_argument("--fetches", type=int, default=20)
     parser.add_argument("--fanout", type=int, default=32)
     parser.add_argument("--direct", action="store_true", help="also run the real layouts with relays off")
+    parser.add_argument("--hogs", type=int, default=0,
+                        help="also run 1 worker beside this many busy processes (a control for shared cores)")
     parser.add_argument("--plot", default="", help="write a PNG plot here")
     parser.add_argument("--quick", action="store_true", help="CI smoke: tiny layouts")
     parser.add_argument("--save", default="", help="also write the rows as JSON here")
@@ -237,7 +254,7 @@ def main(argv=None) -> None:
     h.ensure_importable_by_workers()
     print(h.machine_line())
     print(f"{args.ops} adds of {SHAPE[0]}x{SHAPE[1]} fp32 then a fetch; fan-out {args.fanout}")
-    real = run_real(_layouts(args.real), args.ops, args.fetches, args.direct) if args.real else []
+    real = run_real(_layouts(args.real), args.ops, args.fetches, args.direct, args.hogs) if args.real else []
     if real:
         print_rows("(a) real CPU workers (ratios against the first row)", real)
     sim = run_sim(_layouts(args.sim), args.ops, args.fetches, args.fanout) if args.sim else []
