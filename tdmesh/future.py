@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from . import messages as m
+from .codec import unpack_tensor
 from .errors import DeviceException
 
 _PENDING = object()
@@ -104,7 +105,7 @@ def load_value(payload: bytes):
     """Unpickle a fetched value as local tensors, whatever mesh is active on the client."""
     with _disable_current_modes(), torch._C.DisableTorchFunction():  # no mesh's factory defaults either
         value = pickle.loads(payload)
-        return tree_map(lambda x: m.unpack_tensor(x) if type(x) is m.PackedTensor else x, value,
+        return tree_map(lambda x: unpack_tensor(x) if type(x) is m.PackedTensor else x, value,
                         is_leaf=lambda x: type(x) is m.PackedTensor)
 
 

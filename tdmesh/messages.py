@@ -327,18 +327,6 @@ class PackedTensor(NamedTuple):  # a dense CPU tensor as raw bytes: pickles ~10x
     data: bytes
 
 
-def pack_tensor(t):
-    """``t`` (detached, on CPU) as a PackedTensor, or ``t`` itself for layouts bytes can't carry."""
-    import ctypes
-
-    import torch
-    if t.layout is not torch.strided or t.is_quantized or t.is_nested or t.requires_grad:
-        return t
-    t = t.resolve_conj().resolve_neg().contiguous()  # the bytes must hold the values, not a lazy view of them
-    return PackedTensor(str(t.dtype).split(".")[1], tuple(t.shape),
-                        ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
-
-
 class TorchGlobal(NamedTuple):
     """A torch module attribute by name (``torch.preserve_format``): pickle finds a
     ``torch.memory_format``'s module by scanning every loaded module (~0.1 ms a value, and
@@ -366,35 +354,3 @@ class DeviceName(NamedTuple):
 def torch_device(name: str):
     import torch
     return torch.device(name)
-
-
-_COMPRESSED_INDEX = {"sparse_csr": "crow_indices", "sparse_bsr": "crow_indices",
-                     "sparse_csc": "ccol_indices", "sparse_bsc": "ccol_indices"}
-
-
-def describe_tensor(t) -> tuple:
-    """What a client proxy records of a worker tensor whose metadata only the data decides:
-    ``(size, stride, offset, dtype)`` of a dense tensor, or the fields of the client's
-    ``SparseMeta`` (structure, not indices or values) of a sparse one."""
-    import torch
-    layout = t.layout
-    if layout is torch.strided:
-        return tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype
-    if layout is torch.sparse_coo:
-        return tuple(t.shape), layout, t.dtype, t._nnz(), t.dense_dim(), t._indices().dtype, (), t.is_coalesced()
-    index = _COMPRESSED_INDEX.get(str(layout).split(".")[1])
-    if index is None:
-        raise NotImplementedError(f"tdmesh has no remote form for {layout} tensors")
-    blocksize = ()
-    if layout in (torch.sparse_bsr, torch.sparse_bsc):
-        shape = t.values().shape
-        blocksize = tuple(shape[len(shape) - t.dense_dim() - 2:len(shape) - t.dense_dim()])
-    return tuple(t.shape), layout, t.dtype, t._nnz(), t.dense_dim(), getattr(t, index)().dtype, blocksize, False
-
-
-def unpack_tensor(p: PackedTensor):
-    import torch
-    dtype = getattr(torch, p.dtype)
-    if not p.data:
-        return torch.empty(p.shape, dtype=dtype)
-    return torch.frombuffer(bytearray(p.data), dtype=dtype).reshape(p.shape)

@@ -13,7 +13,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .messages import describe_tensor
+from .codec import describe_tensor
 
 _META = torch.device("meta")
 
@@ -103,7 +103,7 @@ def tensor_meta(t: torch.Tensor) -> TensorMeta | SparseMeta:
 
 
 def from_description(description: tuple) -> TensorMeta | SparseMeta:
-    """The metadata a worker's ``messages.describe_tensor`` sent."""
+    """The metadata a worker's ``codec.describe_tensor`` sent."""
     return SparseMeta(*description) if isinstance(description[1], torch.layout) else TensorMeta(*description)
 
 

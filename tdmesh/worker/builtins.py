@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import messages as m
+from ..codec import describe_tensor
 
 
 def mesh_rank(mesh, dims) -> torch.Tensor:
@@ -89,10 +89,10 @@ def profile_stop(directory: str, rank: int) -> torch.Tensor:
 
 
 def describe(values) -> list:
-    """The metadata of each tensor (``messages.describe_tensor``): the client learns the
+    """The metadata of each tensor (``codec.describe_tensor``): the client learns the
     shapes of outputs that only the data decides (``nonzero``, ``unique``, boolean masks,
     sparse results) or that torch cannot derive without running the op."""
-    return [m.describe_tensor(t) for t in values]
+    return [describe_tensor(t) for t in values]
 
 
 def values_of(t: torch.Tensor):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .. import messages as m
+from ..codec import pack_tensor
 from ..errors import TdmeshError
 from .streams import Stream
 
@@ -93,5 +94,5 @@ def to_fetchable(leaf):
         leaf = leaf.detach()
         if leaf.device.type != "cpu":
             leaf = leaf.cpu()
-        return m.pack_tensor(leaf)
+        return pack_tensor(leaf)
     return leaf

@@ -10,6 +10,7 @@ import traceback
 import pytest
 import torch
 
+from tdmesh import codec
 from tdmesh import messages as m
 from tdmesh.errors import RemoteException, frames
 from tdmesh.future import Future
@@ -260,7 +261,7 @@ def test_fetched_tensor_value_is_loaded(packed):
     f = fut()
     h.add(0, (), (), site(0), f)
     t = torch.arange(6.0).reshape(2, 3)
-    wire = m.pack_tensor(t) if packed else t
+    wire = codec.pack_tensor(t) if packed else t
     h.set_value(value(0, {"t": wire, "n": [1, wire]}))
     complete(h, 1, [0])
     got = f.result()

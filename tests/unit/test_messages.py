@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from tdmesh import Shape, Slice
+from tdmesh import Shape, Slice, codec
 from tdmesh import messages as m
 
 # One representative instance per record, with every field set to a distinct, non-default
@@ -197,30 +197,30 @@ def test_ref_and_mesh_arg_round_trip():
     torch.tensor([1 + 2j], dtype=torch.complex64),
 ], ids=["f32", "int64-transposed", "bool", "bf16", "scalar", "empty", "complex"])
 def test_pack_tensor_round_trips_values_dtype_and_shape(t):
-    packed = m.pack_tensor(t)
+    packed = codec.pack_tensor(t)
     assert type(packed) is m.PackedTensor
     assert packed.dtype == str(t.dtype).split(".")[1]
     assert packed.shape == tuple(t.shape)
     assert len(packed.data) == t.numel() * t.element_size()
-    back = m.unpack_tensor(pickle.loads(pickle.dumps(packed)))
+    back = codec.unpack_tensor(pickle.loads(pickle.dumps(packed)))
     assert back.dtype == t.dtype and back.shape == t.shape
     assert torch.equal(back, t)
     assert back.is_contiguous()
     back.zero_()                                 # writable: it owns its memory
-    assert not back.any() and torch.equal(m.unpack_tensor(packed), t)
+    assert not back.any() and torch.equal(codec.unpack_tensor(packed), t)
 
 
 def test_pack_tensor_leaves_what_bytes_cannot_carry():
     g = torch.ones(2, requires_grad=True)
-    assert m.pack_tensor(g) is g
+    assert codec.pack_tensor(g) is g
     s = torch.ones(2, 2).to_sparse()
-    assert m.pack_tensor(s) is s
+    assert codec.pack_tensor(s) is s
 
 
 def test_unpacked_tensor_does_not_alias_the_packed_bytes():
     t = torch.arange(4, dtype=torch.int32)
-    packed = m.pack_tensor(t)
-    a, b = m.unpack_tensor(packed), m.unpack_tensor(packed)
+    packed = codec.pack_tensor(t)
+    a, b = codec.unpack_tensor(packed), codec.unpack_tensor(packed)
     a[0] = 99
     assert b[0].item() == 0 and t[0].item() == 0
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tdmesh import messages as m
+from tdmesh import codec
 from tdmesh.propagation import SparseMeta, TensorMeta, meta_tensor, propagate, sparse_meta, tensor_meta
 
 _DENSE = torch.tensor([[0.0, 1.0, 0.0, 2.0], [3.0, 0.0, 0.0, 4.0]])
@@ -25,7 +25,7 @@ SPARSE = {
 def test_a_sparse_structure_round_trips_through_its_meta_stand_in(name):
     t = SPARSE[name]
     structure = sparse_meta(t)
-    assert structure == SparseMeta(*m.describe_tensor(t))  # what a worker's describe sends
+    assert structure == SparseMeta(*codec.describe_tensor(t))  # what a worker's describe sends
     stand_in = meta_tensor(structure)
     assert stand_in.device.type == "meta" and stand_in.layout == t.layout and stand_in.shape == t.shape
     assert sparse_meta(stand_in) == structure and structure.nnz == t._nnz()
@@ -34,7 +34,7 @@ def test_a_sparse_structure_round_trips_through_its_meta_stand_in(name):
 def test_dense_metadata_keeps_strides_and_offset():
     view = torch.arange(24.0).reshape(4, 6)[1:, ::2]
     meta = tensor_meta(view)
-    assert meta == TensorMeta((3, 3), (6, 2), 6, torch.float32) == TensorMeta(*m.describe_tensor(view))
+    assert meta == TensorMeta((3, 3), (6, 2), 6, torch.float32) == TensorMeta(*codec.describe_tensor(view))
     assert tensor_meta(meta_tensor(meta)) == meta
 
 
