@@ -2,7 +2,8 @@
 
 ``t.reduce("gpu")`` is one ``Reduce`` message to the ranks of ``t``'s mesh; the workers run
 it on process groups over those dims (NCCL on GPUs, gloo on CPUs).  ``t.to_mesh(other)``
-is a point-to-point copy matched by dim name, broadcast over dims only the destination has.
+is a point-to-point copy matched by dim name, broadcast over dims only the destination has;
+autograd follows it (the gradient moves back), so a model can span meshes (pipelines).
 The tensor methods ``reduce``, ``reduce_``, ``to_mesh`` and ``slice_mesh`` are defined here.
 """
 
@@ -78,7 +79,8 @@ def _plan(t, dims, reduction: str, scatter: bool, inplace: bool) -> _ReducePlan:
     plan = _ReducePlan(named, out_shape, (tuple(t.shape), str(t.dtype).split(".")[1]))
     if len(_plans) > 4096:  # shapes of a long-running program are few; a program that varies them is not
         _plans.clear()
-    _plans[key] = plan
+    if not isinstance(dims, list):  # a list of dims is valid, but no key
+        _plans[key] = plan
     return plan
 
 
@@ -181,26 +183,59 @@ class MeshSliceTensor:
 def _to_mesh(t: Tensor, source, dest, stream=None) -> Tensor:
     if type(t) is not Tensor:
         raise TypeError(f"to_mesh needs a tdmesh tensor, got {type(t).__name__}\n  at {user_line()}")
-    client = t.mesh.client
-    if dest.client is not client:
+    if dest.client is not t.mesh.client:
         raise ValueError("to_mesh moves tensors within one fleet; these meshes belong to different fleets")
-    plan = to_mesh_plan(source.shape, dest.shape)
+    to_mesh_plan(source.shape, dest.shape)  # raises on meshes that do not match, before any autograd node
     broadcast = [d for d in dest.names if d not in source.names]
     if broadcast:
         warnings.warn(f"to_mesh broadcasts over destination dims {broadcast} that the source lacks", stacklevel=3)
+    if t.requires_grad and torch.is_grad_enabled():
+        return _DifferentiableMove.apply(t, source, dest, stream)
+    return _move(t, source, dest, stream)
+
+
+def _move(t: Tensor, source, dest, stream=None, home=None) -> Tensor:
+    """The SendTensors of one move from ``source`` (``t``'s mesh or a slice of it) to
+    ``dest``.  ``home``: the result lives on this mesh, of which ``dest`` is a slice, and
+    its ranks outside ``dest`` bind zeros (a gradient going back into a sliced tensor)."""
+    client = t.mesh.client
+    plan = to_mesh_plan(source.shape, dest.shape)
     from_stream = t.stream
     to_stream = stream if stream is not None else from_stream
     check_inputs([t], t.mesh, "to_mesh", from_stream)
     client.ensure_groups("p2p", from_stream.id, to_stream=to_stream.id)
     factory = (tuple(t.shape), str(t.dtype).split(".")[1])
+    result_mesh = dest if home is None else home
+    zeros_on = home.processes if home is not None and home.shape != dest.shape else None
+    fills = set(zeros_on) if zeros_on is not None else set()
 
     def build(seq, results, _mutated):  # one message per (senders, receivers) pair of the plan
-        return [(sorted(set(senders) | set(receivers)),
-                 m.SendTensor(seq, results[0], senders, receivers, t.ref, factory, from_stream.id, to_stream.id))
+        return [(sorted(set(senders) | set(receivers) | fills),
+                 m.SendTensor(seq, results[0], senders, receivers, t.ref, factory, from_stream.id, to_stream.id,
+                              zeros_on))
                 for senders, receivers in plan]
 
-    return issue(dest, build, inputs=[t], outputs=[New(_contiguous_meta(t.shape, t.dtype))], device=t.device,
+    return issue(result_mesh, build, inputs=[t], outputs=[New(_contiguous_meta(t.shape, t.dtype))], device=t.device,
                  stream=to_stream)[0]
+
+
+class _DifferentiableMove(torch.autograd.Function):
+    """``to_mesh`` as an autograd node: the gradient travels back to the source, summed
+    over the destination dims the move broadcast over (each copy got its own gradient)."""
+
+    @staticmethod
+    def forward(ctx, t, source, dest, stream):
+        ctx.source, ctx.dest, ctx.home, ctx.stream = source, dest, t.mesh, t.stream
+        return _move(t, source, dest, stream)
+
+    @staticmethod
+    def backward(ctx, grad):
+        broadcast = [d for d in ctx.dest.names if d not in ctx.source.names]
+        mesh = ctx.dest
+        if broadcast:
+            grad = grad.reduce(tuple(broadcast), "sum")
+            mesh = mesh.slice(**{d: 0 for d in broadcast})
+        return _move(grad, mesh, ctx.source, ctx.stream, home=ctx.home), None, None, None
 
 
 def to_mesh(tensors, mesh, stream=None):

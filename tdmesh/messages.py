@@ -98,7 +98,8 @@ class ReduceMany(NamedTuple):
 
 
 class SendTensor(NamedTuple):
-    """``to_mesh``: ``from_ranks[i]`` sends ``tensor`` to ``to_ranks[i]``, which binds ``result``."""
+    """``to_mesh``: ``from_ranks[i]`` sends ``tensor`` to ``to_ranks[i]``, which binds ``result``;
+    the ranks of ``zeros_on`` that receive nothing bind zeros (a gradient into a sliced tensor)."""
     seq: int
     result: int
     from_ranks: Slice
@@ -107,6 +108,7 @@ class SendTensor(NamedTuple):
     factory: tuple[tuple[int, ...], str]
     from_stream: int
     to_stream: int
+    zeros_on: Optional[Slice] = None
 
 
 class CreateGroups(NamedTuple):

@@ -201,10 +201,11 @@ def _out_factory(msg: m.Reduce, n: int) -> tuple:
 
 
 def send_tensor(interp, msg: m.SendTensor, stream) -> None:
-    """``to_mesh``: rank ``from_ranks[i]`` sends to ``to_ranks[i]``; a same-rank move is a copy."""
+    """``to_mesh``: rank ``from_ranks[i]`` sends to ``to_ranks[i]``; a same-rank move is a copy;
+    a rank of ``zeros_on`` that receives nothing binds zeros."""
     rank = interp.rank
     from_env = interp.stream(msg.from_stream).env if rank in msg.from_ranks else None
-    to_env = interp.stream(msg.to_stream).env if rank in msg.to_ranks else None
+    to_env = interp.stream(msg.to_stream).env if binds_result(msg, rank) else None
     ops = []
     received = None
     if from_env is not None:
@@ -225,4 +226,11 @@ def send_tensor(interp, msg: m.SendTensor, stream) -> None:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     if to_env is not None:
+        if received is None:
+            shape, dtype = msg.factory
+            received = torch.zeros(shape, dtype=getattr(torch, dtype), device=interp.device)
         to_env[msg.result] = received
+
+
+def binds_result(msg: m.SendTensor, rank: int) -> bool:
+    return rank in msg.to_ranks or (msg.zeros_on is not None and rank in msg.zeros_on)

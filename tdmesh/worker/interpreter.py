@@ -123,7 +123,7 @@ class Interpreter:
 
     def SendTensor(self, msg: m.SendTensor) -> None:
         sends = self.rank in msg.from_ranks
-        receives = self.rank in msg.to_ranks
+        receives = collectives.binds_result(msg, self.rank)
         if sends and receives and msg.from_stream != msg.to_stream:
             self.stream(msg.to_stream).submit(self._unsupported_p2p, msg)
             return
@@ -274,7 +274,7 @@ class Interpreter:
     def _send_tensor(self, msg: m.SendTensor, stream: Stream) -> None:
         error = self._collective(collectives.send_tensor, msg, stream)
         if error is not None:
-            receives = self.rank in msg.to_ranks
+            receives = collectives.binds_result(msg, self.rank)
             env = self.stream(msg.to_stream).env if receives else stream.env
             self.fail(env, msg.seq, (msg.result,) if receives else (), (), error, "to_mesh")
 

@@ -38,3 +38,13 @@ def test_readme_tour_runs():
                          env=dict(os.environ, TDMESH_DEVICE="cpu"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "('/a', 'b')" in out.stdout and "not positive-definite" in out.stdout
+
+
+def test_pipeline_tutorial_matches_one_mesh():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tutorials", "06_pipeline.py"), "--steps", "3"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=dict(os.environ, TDMESH_DEVICE="cpu"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    piped = [line.split()[4] for line in out.stdout.splitlines() if line.startswith("pipeline   step")]
+    single = [line.split()[5] for line in out.stdout.splitlines() if line.startswith("one mesh   step")]
+    assert len(piped) == 3 and piped == single

@@ -59,7 +59,8 @@ FIELDS = {
     m.SendValue: ("seq", "mutates", "function", "args", "kwargs", "stream", "process_groups"),
     m.Reduce: ("seq", "result", "tensor", "factory", "group", "reduction", "scatter", "inplace", "out", "stream"),
     m.ReduceMany: ("seq", "tensors", "factories", "group", "reduction", "stream"),
-    m.SendTensor: ("seq", "result", "from_ranks", "to_ranks", "tensor", "factory", "from_stream", "to_stream"),
+    m.SendTensor: ("seq", "result", "from_ranks", "to_ranks", "tensor", "factory", "from_stream", "to_stream",
+                   "zeros_on"),
     m.CreateGroups: ("kind", "stream", "mesh", "dims", "ref", "to_stream", "id"),
     m.BorrowCreate: ("result", "borrow", "tensor", "from_stream", "to_stream"),
     m.BorrowFirstUse: ("borrow",),
@@ -100,6 +101,7 @@ DEFAULTS = {
     m.Exit: {"error": None},
     m.DefineRecording: {"mode": "program"},
     m.FetchResult: {"error": None, "rank": -1},
+    m.SendTensor: {"zeros_on": None},
 }
 
 
