@@ -54,19 +54,29 @@ def _travels_as_mesh(x) -> bool:
     return wire is not None and getattr(x, "client", None) is not None and type(wire()) is m.MeshArg
 
 
-def prepare_call(flat, mesh, stream) -> tuple[list, tuple]:
+def prepare_call(flat, mesh, stream) -> tuple[list, tuple, tuple]:
     """Checks shared by remote calls and fetches: placement and borrow rules of the tensor
-    arguments, and creation of the process groups that arguments need (once per stream)."""
+    arguments, and creation of the process groups that arguments need (once per stream).
+    Returns the tensor arguments, the groups, and the refs of worker-resident objects
+    (``mesh.spawn``) among the arguments, which the call uses as it uses its tensors."""
     remote_args = [x for x in flat if type(x) is Tensor]
     check_inputs(remote_args, mesh, "a remote function", stream)
     groups = []
+    objects = []
     for x in flat:
         needs = getattr(x, "_tdmesh_groups", None)
         if needs is not None:
             group = needs(mesh.client, stream.id)
             if group is not None:
                 groups.append(group)
-    return remote_args, tuple(groups)
+        ref = getattr(x, "_tdmesh_object_ref", None)
+        if ref is not None:
+            if x.mesh is not mesh or x.stream is not stream:
+                raise_in_op("WRONG_MESH" if x.mesh is not mesh else "WRONG_STREAM",
+                            f"{x!r} lives on {x.mesh.shape}, {x.stream!r}; this call runs on {mesh.shape}, "
+                            f"{stream!r}")
+            objects.append(ref)
+    return remote_args, tuple(groups), tuple(objects)
 
 
 def shard_rank(mesh, shard: dict | None, coords: dict) -> int:
@@ -94,7 +104,7 @@ def send_value(mesh, function, args, kwargs, rank: int | None, uses: tuple = ())
     flat, _ = tree_flatten((args, kwargs))
     tensors = [x for x in flat if type(x) is Tensor]
     stream = tensors[0].stream if tensors else get_active_stream()
-    _, groups = prepare_call(flat, mesh, stream)
+    _, groups, objects = prepare_call(flat, mesh, stream)
     fut = Future(client)
     if rank is None:
         fut.gather = mesh.shape
@@ -102,7 +112,7 @@ def send_value(mesh, function, args, kwargs, rank: int | None, uses: tuple = ())
     with client.lock:
         issue(mesh, lambda seq, results, mutated: m.SendValue(seq, (), function, sealed, {}, stream.id, groups),
               inputs=tensors, stream=stream, ranks=None if rank is None else (rank,), future=fut, deletes_first=True,
-              uses=uses)
+              uses=tuple(uses) + objects)
         client.request_status(client.last_seq)  # the SendValue's: completion resolves the future
         client.flush()
     return fut

@@ -19,6 +19,7 @@ from .activation import Activation
 from .errors import UsageError
 from .fanout import RankList
 from .grouping import normalize_dims
+from .objects import spawn
 from .remote import Remote
 from .shape import Shape
 from .slice import Slice
@@ -81,6 +82,10 @@ class DeviceMesh:
 
     def __len__(self) -> int:
         return len(self._shape)
+
+    def spawn(self, cls, /, *args, **kwargs):
+        """One ``cls(*args, **kwargs)`` on every rank, in order with the tensor ops (see tdmesh.objects)."""
+        return spawn(self, cls, *args, **kwargs)
 
     def slice(self, /, **kw: int | slice) -> DeviceMesh:
         """``int`` removes a dim, ``slice`` restricts it; applied in keyword order."""

@@ -106,11 +106,12 @@ def call_on_shard_and_fetch(remote_fn: Remote, *args, shard: dict | None = None,
     return send_value(mesh, remote_fn._target, args, kwargs, shard_rank(mesh, shard, {}))
 
 
-def call_remote(fn: Remote, args: tuple, kwargs: dict):
+def call_remote(fn: Remote, args: tuple, kwargs: dict, mesh=None):
+    """``fn(*args, **kwargs)`` on ``mesh`` (default: where its arguments live) as one CallFunction."""
     flat, _ = tree_flatten((args, kwargs))
-    mesh = mesh_of(flat)
+    mesh = mesh if mesh is not None else mesh_of(flat)
     stream = get_active_stream()
-    remote_args, groups = prepare_call(flat, mesh, stream)
+    remote_args, groups, objects = prepare_call(flat, mesh, stream)
     if fn._propagate == "inspect":
         spec, out_leaves, mutated = None, [], []
     elif fn._propagate is None or fn._propagate == "cached":
@@ -127,7 +128,7 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict):
         return m.CallFunction(seq, results, mutated_refs, fn._target, sealed, {}, stream.id, groups)
 
     proxies = issue(mesh, build, inputs=remote_args, outputs=outputs, mutated=mutated, device=mesh.client.device,
-                    stream=stream)
+                    stream=stream, uses=objects)
     if spec is None:
         return None
     return tree_unflatten(proxies, spec)
