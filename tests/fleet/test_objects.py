@@ -61,7 +61,7 @@ def test_method_calls_run_in_order_with_the_tensor_ops(mesh2x2):
         h = mesh2x2.spawn(Counter, 0)
         x = torch.zeros(3)
         record = h.remote("record", propagate="inspect")
-        for i in range(4):
+        for _ in range(4):
             x.add_(1)            # in place: each record must see the value of its own point in the program
             record(x)
         assert values(h.call("history")) == [[3.0, 6.0, 9.0, 12.0]] * 4
