@@ -26,6 +26,7 @@ if "tdmesh" not in sys.modules:  # the package's __init__ imports torch; a sink 
     sys.modules["tdmesh"] = _package
 
 from tdmesh import messages as m  # noqa: E402
+from tdmesh.handshake import join  # noqa: E402
 from tdmesh.relay import Relay  # noqa: E402
 from tdmesh.transport import ALL_RANKS, DEFINE_SET, ENTRY, MAGIC, RELAY_MAGIC, connect  # noqa: E402
 
@@ -34,8 +35,8 @@ _NONE = pickle.dumps(None)
 
 def sink(conn, host: int, first: int, end: int, token: str, direct: bool) -> None:
     ranks = range(first, end)
-    hellos = tuple(m.Hello(r, token, socket.gethostname(), os.getpid(), "cpu", None) for r in ranks)
-    conn.send_messages([hellos[0] if direct else m.RelayHello(host, first, end, token, hellos)])
+    hellos = tuple(m.Hello(r, b"", "", socket.gethostname(), os.getpid(), "cpu", None) for r in ranks)
+    join(conn, token, hellos[0] if direct else m.RelayHello(host, first, end, b"", "", hellos), "the sink's parent")
     lock = threading.Lock()
     stop = threading.Event()
 

@@ -45,6 +45,13 @@ VARIABLES = {
                               "127.0.0.1 when the name does not resolve)"),
     "TDMESH_POOL_IDLE": ("60", "seconds the workers of a finished local_mesh stay warm for the next local_mesh of the "
                                "same shape (0: no warm pool; local_mesh(pool=False) opts one mesh out)"),
+    "TDMESH_SECRET": ("", "a secret shared by every rank and attaching client: the job token is derived from it "
+                          "(nothing secret goes into the store); see docs/SECURITY.md"),
+    "TDMESH_SECRET_FILE": ("", "a file holding that secret, readable by its owner only (chmod 600)"),
+    "TDMESH_TLS_CERT": ("", "this process's certificate (PEM): with _KEY and _CA, every control-plane socket is TLS, "
+                            "certificates checked on both sides against the CA"),
+    "TDMESH_TLS_KEY": ("", "the private key of TDMESH_TLS_CERT (PEM)"),
+    "TDMESH_TLS_CA": ("", "the CA (PEM) that signs every certificate of the job"),
     "TDMESH_TEST_MESH": ("2x2", "tests only: HOSTSxGPUS, the mesh of the collective and stream suites"),
 }
 

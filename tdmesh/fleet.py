@@ -2,13 +2,12 @@
 
 Both entry points end here: ``local_mesh`` (workers started by torch.distributed.elastic
 from the calling process) and ``world_mesh`` (workers started by torchrun).  The client
-listens, publishes its address and a token in the job's c10d store, and accepts exactly
-one authenticated connection per rank.
+listens, publishes its address (and, without a shared secret, a token) in the job's c10d
+store, and accepts exactly one connection per rank that proves it knows the token.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import queue
 import socket
@@ -20,7 +19,9 @@ from . import messages as m
 from .client import Client
 from .config import env_float
 from .errors import DeviceException
-from .rendezvous import new_token, publish_controller, reachable_host
+from .handshake import challenge, check_hello, welcome
+from .rendezvous import job_scope, publish_controller, reachable_host
+from .security import job_token, server_tls
 from .transport import DEFAULT_MAX_FRAME, Connection, decode_hello, hello_ranks
 
 log = logging.getLogger("tdmesh")
@@ -45,9 +46,10 @@ def _not_open(hello) -> str:
 
 
 class Gatekeeper:
-    """The client's listening socket.  Only processes that present the job's token in
-    their first frame get in; everything else (wrong token, garbage, oversized or truncated
-    frames, a rank already taken) is refused, logged, and closed, and nothing else happens.
+    """The client's listening socket.  Only processes that prove they know the job's token
+    (tdmesh.handshake; inside TLS when TDMESH_TLS_CERT is set) get in; everything else (a wrong
+    proof, garbage, oversized or truncated frames, a rank already taken) is refused, logged,
+    and closed, and nothing else happens.
     After startup it stays open and refuses every newcomer, so strays are seen in the log.
 
     Each connection is checked on a thread of its own (at most ``MAX_CHECKS`` at once), so a
@@ -63,7 +65,8 @@ class Gatekeeper:
         self.listener.listen(64)
         self.listener.settimeout(0.2)
         self.port = self.listener.getsockname()[1]
-        self.token = new_token()
+        self.token = ""  # set before anyone is told where the gate is
+        self.tls = server_tls()
         self.refused = 0
         self.closed = False
         self.arrivals: queue.SimpleQueue = queue.SimpleQueue()  # (conn, hello, peer), token checked
@@ -88,29 +91,34 @@ class Gatekeeper:
                              daemon=True).start()
 
     def _check(self, sock: socket.socket, peer) -> None:
-        # the first frame must be complete within HELLO_TIMEOUT, however slowly it trickles in
+        # the handshake must be complete within HELLO_TIMEOUT, however slowly it trickles in
         deadline = threading.Timer(self.HELLO_TIMEOUT, _cut, args=(sock,))
         try:
             sock.settimeout(self.HELLO_TIMEOUT)
-            conn = Connection(sock, max_frame=1 << 16)  # a Hello is small; a stranger gets no more
             deadline.start()
             try:
+                if self.tls is not None:
+                    sock = self.tls.wrap_socket(sock, server_side=True)
+                conn = Connection(sock, max_frame=1 << 16)  # a Hello is small; a stranger gets no more
+                nonce = challenge(conn)
                 payload = conn.recv_payload()
                 hello = None if payload is None else decode_hello(payload)
             except Exception as e:  # noqa: BLE001 - whatever a stranger sends
-                return self._refuse(conn, peer, f"{type(e).__name__}: {e}")
+                return self._refuse(Connection(sock), peer, f"{type(e).__name__}: {e}")
             finally:
                 deadline.cancel()
-            if type(hello) not in (m.Hello, m.RelayHello) or not hmac.compare_digest(
-                    str(getattr(hello, "token", "")).encode("utf-8", "replace"), self.token.encode()):
-                return self._refuse(conn, peer, "it did not present this job's token")
+            if not check_hello(self.token, nonce, hello):
+                return self._refuse(conn, peer, "it did not prove that it knows this job's token")
             with self._lock:
                 if self._admitting:
+                    welcome(conn, self.token, nonce, hello)
                     sock.settimeout(None)
                     conn.max_frame = DEFAULT_MAX_FRAME  # authenticated: fetches may be large
                     self.arrivals.put((conn, hello, peer))
                     return
             self._refuse(conn, peer, _not_open(hello))
+        except OSError as e:  # the peer went away mid-handshake
+            log.warning("tdmesh: a connection from %s broke during the handshake: %s", peer, e)
         finally:
             self._checks.release()
 
@@ -156,7 +164,7 @@ class Gatekeeper:
 
 def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str | None = None,
                    alive: Callable[[], str | None] = lambda: None, timeout: float | None = None,
-                   announce: Callable[[str, int, str], None] | None = None,
+                   announce: Callable[[str, int], str] | None = None,
                    meanwhile: Callable[[], None] | None = None):
     """Publish the client in ``store`` and accept one authenticated connection per rank.
 
@@ -165,7 +173,8 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
     runs once the client is published, while the workers come (the gate admits them meanwhile).
     Each connection is a worker, or a host's relay speaking for several ranks.  Returns
     (connections by the first rank behind them, every rank's hello, the gatekeeper that
-    keeps refusing strangers, {key: (host, ranks)} of the relays).
+    keeps refusing strangers, {key: (host, ranks)} of the relays).  ``announce(host, port)``
+    (attach mode) publishes the client its own way and returns the session's token.
     """
     timeout = env_float("TDMESH_CONNECT_TIMEOUT") if timeout is None else timeout
     gate = Gatekeeper(bind)
@@ -174,9 +183,11 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
     relays: dict[int, tuple[int, tuple[int, ...]]] = {}
     try:
         if announce is not None:
-            announce(host, gate.port, gate.token)
+            gate.token = announce(host, gate.port)
         else:
-            publish_controller(store, host, gate.port, gate.token, scope)
+            token, published = job_token(scope or job_scope())
+            gate.token = token
+            publish_controller(store, host, gate.port, token if published else None, scope)
         if meanwhile is not None:
             meanwhile()
         deadline = time.monotonic() + timeout

@@ -30,7 +30,8 @@ from .errors import UsageError
 from .fleet import Fleet, SerialProcesses, accept_workers, controller_host
 from .mesh import DeviceMesh
 from .propagation import warm_up
-from .rendezvous import ATTACH, connect_store, proof, restart_count
+from .rendezvous import ATTACH, connect_store, new_token, proof, restart_count, session_token
+from .security import derive, secret_token, warn_if_exposed
 from .shape import Shape
 from .slice import Slice
 
@@ -217,6 +218,7 @@ def connect_world() -> Fleet:
     world = int(os.environ["WORLD_SIZE"])
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     store = connect_store()
+    warn_if_exposed(world, per_host)
     conns, hellos, gate, relays = accept_workers(store, world, host=controller_host(), bind="0.0.0.0",
                                                  meanwhile=warm_up)
     fleet = Fleet(Client(conns, hellos, relays=relays), store=store, gate=gate)
@@ -225,25 +227,38 @@ def connect_world() -> Fleet:
 
 
 @contextlib.contextmanager
-def attach(endpoint: str, token: str, *, supervision=None, controller=None,
+def attach(endpoint: str, token: str | None = None, *, supervision=None, controller=None,
            timeout: float = 120.0) -> Iterator[DeviceMesh]:
     """Drive a fleet that ``torchrun ... -m tdmesh.worker`` (no script) keeps serving.
 
     ``endpoint`` is the job's c10d store (``MASTER_ADDR:MASTER_PORT``) and ``token`` the job
-    token; rank 0 prints both when the fleet starts.  Leaving the block detaches: the workers
-    wait for the next client.  ``mesh.exit()`` inside the block ends the job instead.
+    token, both printed by rank 0 when the fleet starts; with ``TDMESH_SECRET`` (or
+    ``TDMESH_SECRET_FILE``) set here as on the fleet's ranks, leave ``token`` out: it is
+    derived from the secret.  A wrong token is a PermissionError; the fleet keeps serving.
+    Leaving the block detaches: the workers wait for the next client.  ``mesh.exit()``
+    inside the block ends the job instead.
     """
     host, port = endpoint.rsplit(":", 1)
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
     scope = store.get(ATTACH + "/current").decode()
-    if not hmac.compare_digest(store.get(scope + "/token").decode(), token):
-        raise PermissionError(f"wrong token for the tdmesh fleet at {endpoint}")
+    source = "the token passed"
+    if token is None:
+        token = secret_token(f"{scope}|{store.get(scope + '/run').decode()}")
+        if token is None:
+            raise UsageError(f"tdmesh.attach({endpoint!r}) needs the job token: pass token=... (rank 0 printed "
+                             f"it), or set TDMESH_SECRET / TDMESH_SECRET_FILE as on the fleet's ranks")
+        source = "the token derived from this process's TDMESH_SECRET"
+    salt, check = store.get(scope + "/check").decode().split("|")
+    if not hmac.compare_digest(check, derive(token, "tdmesh-check", salt)):
+        raise PermissionError(f"wrong token for the tdmesh fleet at {endpoint}: {source} is not the fleet's")
     world, per_host = (int(v) for v in store.get(scope + "/world").decode().split(","))
     session = store.add(scope + "/sessions", 1) - 1
 
-    def announce(my_host: str, my_port: int, session_token: str) -> None:
-        signature = proof(token, session, my_host, my_port, session_token)
-        store.set(f"{scope}/{session}/controller", f"{my_host}|{my_port}|{session_token}|{signature}")
+    def announce(my_host: str, my_port: int) -> str:
+        salt = new_token()
+        signature = proof(token, session, my_host, my_port, salt)
+        store.set(f"{scope}/{session}/controller", f"{my_host}|{my_port}|{salt}|{signature}")
+        return session_token(token, session, salt)
 
     conns, hellos, gate, relays = accept_workers(store, world, host=controller_host(), bind="0.0.0.0",
                                                  announce=announce, timeout=timeout)

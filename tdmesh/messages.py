@@ -201,9 +201,11 @@ class Exit(NamedTuple):
 
 # --------------------------------------------------------------------- worker -> client
 class Hello(NamedTuple):
-    """First frame a worker sends: who it is, proven with the job token."""
+    """A worker's answer to the listener's Challenge: who it is, proven with the job token
+    (``proof``: an HMAC of both nonces and its rank and pid, see tdmesh.handshake)."""
     rank: int
-    token: str
+    nonce: bytes
+    proof: str
     hostname: str
     pid: int
     device: str               # "cpu" or "cuda:N"
@@ -255,8 +257,20 @@ class RelayHello(NamedTuple):
     host: int
     first: int
     end: int
-    token: str
+    nonce: bytes
+    proof: str
     hellos: tuple
+
+
+# --------------------------------------------------------------------- handshake (tdmesh.handshake)
+class Challenge(NamedTuple):
+    """Listener -> connecting side, the first frame: a fresh nonce to prove the token against."""
+    nonce: bytes
+
+
+class Welcome(NamedTuple):
+    """Listener -> an authenticated peer: its own proof of the token (both nonces)."""
+    proof: str
 
 
 class RelayConfig(NamedTuple):
@@ -280,6 +294,7 @@ CLIENT_TO_WORKER = (CallFunction, DefineOp, CallOp, SendValue, Reduce, ReduceMan
                     RequestStatus, Supervise, Detach, Exit)
 WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status, RelayHello, RanksLost)
 RELAY_CONTROL = (RelayConfig,)
+HANDSHAKE = (Challenge, Welcome)
 
 # Which fields of a client->worker message hold refs, and how:
 #   "def"   one ref the message defines (None: it defines none)   "defs"  a tuple of them (None slots allowed)

@@ -16,7 +16,6 @@ parent goes away the relay closes every child, so the ranks behind it leave too.
 
 from __future__ import annotations
 
-import hmac
 import io
 import logging
 import pickle
@@ -26,6 +25,8 @@ import time
 from typing import Any
 
 from . import messages as m
+from .handshake import challenge, check_hello, join, welcome
+from .security import server_tls
 from .transport import MAGIC, RELAY_MAGIC, Connection, ProtocolError, connect, decode_hello, hello_ranks
 
 log = logging.getLogger("tdmesh.relay")
@@ -77,6 +78,7 @@ class Relay:
                  heartbeat_interval: float = 2.0, heartbeat_timeout: float = 20.0) -> None:
         self.host, self.first, self.end = host, first, end
         self.token = token
+        self.tls = server_tls()
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -103,9 +105,12 @@ class Relay:
                 sock, peer = self.listener.accept()
             except TimeoutError:
                 continue
-            conn = Connection(sock, max_frame=1 << 24)
             try:
                 sock.settimeout(self.HELLO_TIMEOUT)
+                if self.tls is not None:
+                    sock = self.tls.wrap_socket(sock, server_side=True)
+                conn = Connection(sock, max_frame=1 << 24)
+                nonce = challenge(conn)
                 payload = conn.recv_payload()
                 if payload is None:
                     raise ProtocolError("closed before saying hello")
@@ -113,16 +118,18 @@ class Relay:
                 sock.settimeout(None)
             except (OSError, ProtocolError, pickle.UnpicklingError) as e:
                 log.warning("host %d's relay refused a connection from %s: %s", self.host, peer, e)
-                conn.close()
+                Connection(sock).close()
                 continue
-            if not hmac.compare_digest(str(getattr(hello, "token", "")).encode(), self.token.encode()):
-                log.warning("host %d's relay refused a connection from %s: no job token", self.host, peer)
+            if not check_hello(self.token, nonce, hello):
+                log.warning("host %d's relay refused a connection from %s: no proof of the job token", self.host, peer)
                 conn.close()
             elif type(hello) is m.Hello and hello.rank in want:
+                welcome(conn, self.token, nonce, hello)
                 want.discard(hello.rank)
                 self.hellos[hello.rank] = hello
                 self.children.append(_Child(conn, hello.rank, (hello.rank,), False))
             elif type(hello) is m.RelayHello and (ranks := hello_ranks(hello)) is not None and want.issuperset(ranks):
+                welcome(conn, self.token, nonce, hello)
                 want.difference_update(ranks)
                 self.hellos.update({h.rank: h for h in hello.hellos})
                 self.children.append(_Child(conn, hello.first, tuple(range(hello.first, hello.end)), True))
@@ -137,8 +144,9 @@ class Relay:
 
     def connect_up(self, host: str, port: int) -> None:
         self.up = connect(host, port)
-        self.up.send_messages([m.RelayHello(self.host, self.first, self.end, self.token,
-                                            tuple(self.hellos[r] for r in sorted(self.hellos)))])
+        join(self.up, self.token, m.RelayHello(self.host, self.first, self.end, b"", "",
+                                               tuple(self.hellos[r] for r in sorted(self.hellos))),
+             f"host {self.host}'s relay's parent at {host}:{port}")
 
     # -- serving ------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -153,10 +161,17 @@ class Relay:
             while True:
                 for key, _ in sel.select(timeout=max(0.0, next_beat - time.monotonic())):
                     if key.data is None:
-                        if not self._downstream():
-                            return
+                        while True:  # TLS may hold further frames already read: no selector sees them
+                            if not self._downstream():
+                                return
+                            if not self.up.pending():
+                                break
                     elif not self._upstream(key.data, sel):
                         return  # every rank behind it has left: so does the relay
+                    else:
+                        while not key.data.lost and key.data.conn.pending():
+                            if not self._upstream(key.data, sel):
+                                return
                 now = time.monotonic()
                 if now >= next_beat:
                     next_beat = now + self.heartbeat_interval

@@ -1,8 +1,9 @@
 """Finding each other through the c10d store that torchrun (or ``local_mesh``) runs.
 
-The client publishes its address and a random token under keys scoped by the elastic
-run id and restart count, so a restarted job never reads a stale client.  Workers read
-them, connect and prove they belong to the job with the token.
+The client publishes its address (and, without a shared secret, a random token) under keys
+scoped by the elastic run id and restart count, so a restarted job never reads a stale
+client.  Workers read them, connect, and client and worker prove to each other that they
+know the token (tdmesh.handshake); with TDMESH_SECRET both derive the token instead.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch.distributed import TCPStore
 
 from .config import env_str
 from .errors import UsageError
+from .security import secret_token
 
 SHUTDOWN = "shutdown"
 NEXT_JOB = "/next"  # under a parked fleet's scope (tdmesh.pool): the scope of its next job, or SHUTDOWN
@@ -68,9 +70,11 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-def publish_controller(store: TCPStore, host: str, port: int, token: str, scope: str | None = None) -> None:
+def publish_controller(store: TCPStore, host: str, port: int, token: str | None, scope: str | None = None) -> None:
+    """Announce the client; ``token`` goes into the store only without a shared secret (None)."""
     scope = scope or job_scope()
-    store.set(scope + "/token", token)
+    if token is not None:
+        store.set(scope + "/token", token)
     store.set(scope + "/controller", f"{host}:{port}")
 
 
@@ -84,7 +88,7 @@ def read_controller(store: TCPStore) -> tuple[str, int, str] | None:
     address = store.get(job_scope() + "/controller").decode()
     if address == SHUTDOWN:
         return None
-    token = store.get(job_scope() + "/token").decode()
+    token = secret_token(job_scope()) or store.get(job_scope() + "/token").decode()
     host, port = address.rsplit(":", 1)
     return host, int(port), token
 
@@ -103,3 +107,8 @@ def proof(job_token: str, *parts) -> str:
     import hashlib
     import hmac
     return hmac.new(job_token.encode(), "|".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()
+
+
+def session_token(job_token: str, session: int, salt: str) -> str:
+    """The token of attach session ``session``: derived, so its announcement holds no secret."""
+    return proof(job_token, "tdmesh-session", session, salt)

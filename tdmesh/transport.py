@@ -20,9 +20,11 @@ from collections.abc import Iterable, Iterator
 
 from . import messages as m
 from .errors import ProtocolError
+from .security import client_tls
 
 __all__ = ["MAGIC", "RELAY_MAGIC", "DEFAULT_MAX_FRAME", "Connection", "ProtocolError", "connect", "decode",
-           "encode", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter", "decode_hello", "hello_ranks"]
+           "encode", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter", "decode_hello", "decode_restricted",
+           "hello_ranks"]
 
 MAGIC = b"TDM1"
 RELAY_MAGIC = b"TDMR"  # a frame for the relay itself (its configuration), not forwarded to workers
@@ -98,25 +100,37 @@ class RankFilter:
         return out
 
 
-class _HelloUnpickler(pickle.Unpickler):
-    """Decodes a stranger's first frame.  Unpickling runs whatever globals a pickle names, so
-    before the token is checked nothing but a ``Hello`` or a relay's ``RelayHello`` (of Hellos)
-    and pickle's primitive values may be built from it: a plain ``pickle.loads`` would run a
-    stranger's code in the client (or a relay)."""
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Decodes a frame of a peer not yet authenticated.  Unpickling runs whatever globals a
+    pickle names, so before the handshake's proof checks nothing but the expected records (a
+    ``Hello``, a relay's ``RelayHello`` of Hellos, a ``Challenge``, a ``Welcome``) and pickle's
+    primitive values may be built: a plain ``pickle.loads`` would run a stranger's code."""
+
+    def __init__(self, stream, names: tuple[str, ...]) -> None:
+        super().__init__(stream)
+        self.names = names
 
     def find_class(self, module: str, name: str):
-        if module == m.__name__ and name in ("Hello", "RelayHello"):
+        if module == m.__name__ and name in self.names:
             return getattr(m, name)
-        raise pickle.UnpicklingError(f"a first frame may only hold a Hello, not {module}.{name}")
+        raise pickle.UnpicklingError(f"a handshake frame may only hold {' or '.join(self.names)}, "
+                                     f"not {module}.{name}")
+
+
+def decode_restricted(payload, names: tuple[str, ...]) -> object:
+    """The one message of a handshake frame, decoded safely, which must be one of ``names``."""
+    stream = io.BytesIO(payload)
+    msg = _RestrictedUnpickler(stream, names + ("Hello",) if "RelayHello" in names else names).load()
+    if stream.tell() != len(payload):
+        raise ProtocolError(f"{len(payload) - stream.tell()} bytes after the first message")
+    if type(msg).__name__ not in names or type(msg).__module__ != m.__name__:
+        raise ProtocolError(f"expected {' or '.join(names)}, got {type(msg).__name__}")
+    return msg
 
 
 def decode_hello(payload) -> object:
-    """The one message of a first frame, decoded safely (see ``_HelloUnpickler``)."""
-    stream = io.BytesIO(payload)
-    hello = _HelloUnpickler(stream).load()
-    if stream.tell() != len(payload):
-        raise ProtocolError(f"{len(payload) - stream.tell()} bytes after the first message")
-    return hello
+    """The one message of a connection's first frame: a worker's Hello or a relay's RelayHello."""
+    return decode_restricted(payload, ("Hello", "RelayHello"))
 
 
 def hello_ranks(hello) -> list | None:
@@ -181,8 +195,23 @@ class Connection:
         return magic, payload
 
     def recv_messages(self) -> list | None:
+        """The next frame's messages, and those of every later frame TLS has already read in
+        (a selector does not see bytes decrypted into the TLS buffer: see ``pending``)."""
         payload = self.recv_payload()
-        return None if payload is None else list(decode(payload))
+        if payload is None:
+            return None
+        msgs = list(decode(payload))
+        while self.pending():
+            more = self.recv_payload()
+            if more is None:
+                break
+            msgs.extend(decode(more))
+        return msgs
+
+    def pending(self) -> int:
+        """Bytes already read from the socket into TLS's buffer, which no selector reports."""
+        pending = getattr(self.sock, "pending", None)
+        return pending() if pending is not None else 0
 
     def _recv_exact(self, n: int, allow_eof: bool) -> bytearray | None:
         buf = bytearray(n)
@@ -206,6 +235,11 @@ class Connection:
 
 
 def connect(host: str, port: int, timeout: float = 60.0) -> Connection:
+    """A connection to a listener (the client's gate, a relay); inside TLS when TDMESH_TLS_CERT,
+    TDMESH_TLS_KEY and TDMESH_TLS_CA are set."""
     sock = socket.create_connection((host, port), timeout=timeout)
+    tls = client_tls()
+    if tls is not None:
+        sock = tls.wrap_socket(sock, server_hostname=host)
     sock.settimeout(None)
     return Connection(sock)

@@ -19,6 +19,7 @@ from .. import messages as m
 from ..config import cpu_forced, env_float, env_int, env_str
 from ..errors import ProtocolViolation
 from ..fanout import relay_parents, subtree_hosts
+from ..handshake import join
 from ..relay import Relay
 from ..rendezvous import NEXT_JOB, SHUTDOWN, connect_store, job_scope, reachable_host, read_controller, store_address
 from ..transport import ProtocolError, RankFilter, connect
@@ -85,7 +86,7 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
         host, port, token = found
         if world_size > 1 and env_str("TDMESH_RELAYS") in ("auto", "1"):
             host, port = _through_relay(store, rank, world_size, (host, port), token)
-        code, clean, detached = _session(rank, device, connect(host, port), token)
+        code, clean, detached = _session(rank, device, (host, port), token)
         if clean:
             dist.destroy_process_group()
         if not (clean and detached and env_str("TDMESH_SCOPE")):
@@ -206,7 +207,7 @@ def _serve_attached(rank: int, world_size: int, device: torch.device, store) -> 
             session += 1
             continue
         host, port, token = found
-        code, clean, detached = _session(rank, device, connect(host, port), token)
+        code, clean, detached = _session(rank, device, (host, port), token)
         if not detached:
             if clean:
                 dist.destroy_process_group()
@@ -214,10 +215,17 @@ def _serve_attached(rank: int, world_size: int, device: torch.device, store) -> 
         session += 1
 
 
-def _session(rank: int, device: torch.device, conn, token: str) -> tuple[int, bool, bool]:
-    """Serve one client until it says Exit or Detach: returns (exit code, whether the client
-    ended the session cleanly, whether it detached (attach mode))."""
-    conn.send_messages([m.Hello(rank, token, socket.gethostname(), os.getpid(), str(device), log_file())])
+def _session(rank: int, device: torch.device, address: tuple[str, int], token: str) -> tuple[int, bool, bool]:
+    """Serve the client at ``address`` (or this host's relay) until it says Exit or Detach:
+    returns (exit code, whether the client ended the session cleanly, whether it detached
+    (attach mode)).  Nothing is read from it before it proves it knows the job token."""
+    where = f"the tdmesh client (or relay) at {address[0]}:{address[1]}"
+    try:
+        conn = connect(*address)
+        join(conn, token, m.Hello(rank, b"", "", socket.gethostname(), os.getpid(), str(device), log_file()), where)
+    except (OSError, ProtocolError) as e:
+        log.error("rank %d: %s", rank, e)
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
     send_lock = threading.Lock()
 
     def send(msg) -> None:  # called from any stream thread

@@ -23,7 +23,8 @@ import tdmesh
 from tdmesh import DeviceException, fetch_shard, inspect, remote
 from tdmesh import messages as m
 from tdmesh.config import ControllerParams, SupervisionParams
-from tdmesh.transport import MAGIC, encode
+from tdmesh.handshake import AuthenticationError, join
+from tdmesh.transport import MAGIC, Connection, encode
 
 from paths import SCRIPTS
 
@@ -393,23 +394,27 @@ def test_strangers_are_refused_and_the_mesh_survives(caplog, tmp_path):
         pids = worker_pids(mesh)
         gate = mesh.fleet.gate
         before = gate.refused
-        hello = m.Hello(0, "0" * 32, "intruder", os.getpid(), "cpu", None)
+        hello = m.Hello(0, b"0" * 16, "0" * 64, "intruder", os.getpid(), "cpu", None)
         attempts = {
             "http": (b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n", False),
             "oversized": (frame(b"", declared=2 ** 40), False),
             "truncated": (frame(b"x" * 10, declared=100), True),
             "wrong token": (frame(encode(hello)), False),
-            "non-ascii token": (frame(encode(hello._replace(token="\u00e9" * 32))), False),
+            "non-ascii proof": (frame(encode(hello._replace(proof="\u00e9" * 64))), False),
             "trojan pickle": (frame(pickle.dumps(Trojan(str(marker)))), False),
-            # even the right token gets no second connection once every rank is in
-            "late joiner": (frame(encode(hello._replace(token=gate.token))), False),
+            # even a proof of the right token gets no second connection once every rank is in
+            "late joiner": (None, False),
         }
         for n, (name, (data, half_close)) in enumerate(attempts.items(), 1):
             with socket.create_connection(("127.0.0.1", gate.port), timeout=10) as s:
-                s.sendall(data)
-                if half_close:
-                    s.shutdown(socket.SHUT_WR)
-                assert closed_by_peer(s), f"{name}: the client kept the connection open"
+                if data is None:
+                    with pytest.raises(AuthenticationError, match="closed the connection"):
+                        join(Connection(s), gate.token, hello, "the client")
+                else:
+                    s.sendall(data)
+                    if half_close:
+                        s.shutdown(socket.SHUT_WR)
+                    assert closed_by_peer(s), f"{name}: the client kept the connection open"
             assert gate.refused == before + n, name
         assert not marker.exists(), "the client unpickled a stranger's code"
         with mesh.activate():
@@ -420,9 +425,9 @@ def test_strangers_are_refused_and_the_mesh_survives(caplog, tmp_path):
     assert "not a tdmesh peer" in refusals[0].getMessage()
     assert "exceeds the limit" in refusals[1].getMessage()
     assert "closed mid-frame" in refusals[2].getMessage()
-    assert "did not present this job's token" in refusals[3].getMessage()
-    assert "did not present this job's token" in refusals[4].getMessage()
-    assert "may only hold a Hello" in refusals[5].getMessage()
+    assert "did not prove that it knows this job's token" in refusals[3].getMessage()
+    assert "did not prove that it knows this job's token" in refusals[4].getMessage()
+    assert "may only hold Hello or RelayHello" in refusals[5].getMessage()
     assert "not an open rank" in refusals[6].getMessage()
 
 

@@ -5,15 +5,17 @@ import pickle
 import socket
 import threading
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tdmesh import messages as m
 from tdmesh.fanout import RankList, rank_set, relay_children, relay_parents, subtree_hosts
+from tdmesh.handshake import AuthenticationError, challenge, check_hello, join, welcome
 from tdmesh.outbox import Outbox
 from tdmesh.relay import Relay
 from tdmesh.slice import Slice
-from tdmesh.transport import RankFilter, connect
+from tdmesh.transport import Connection, RankFilter, connect, decode_hello
 
 TOKEN = "t" * 32
 
@@ -77,19 +79,32 @@ def _listener():
     return sock
 
 
+def _worker(relay: Relay, rank: int, token: str = TOKEN, pid: int = 1):
+    """A connection to ``relay`` that has passed (or tried) the handshake as ``rank``."""
+    conn = connect("127.0.0.1", relay.port)
+    join(conn, token, m.Hello(rank, b"", "", "h", pid, "cpu", None), "the relay")
+    return conn
+
+
+def _parent_of(listener) -> tuple[Connection, m.RelayHello]:
+    """Accept a relay going up, as the client's gate does: challenge, check, welcome."""
+    sock, _ = listener.accept()
+    up = Connection(sock)
+    nonce = challenge(up)
+    hello = decode_hello(up.recv_payload())
+    assert check_hello(TOKEN, nonce, hello)
+    welcome(up, TOKEN, nonce, hello)
+    return up, hello
+
+
 def test_a_relay_forwards_frames_aggregates_status_and_reports_a_lost_rank():
     parent = _listener()
     relay = Relay(0, 0, 2, TOKEN, bind="127.0.0.1", heartbeat_interval=0.05, heartbeat_timeout=30)
-    workers = [connect("127.0.0.1", relay.port) for _ in range(2)]
-    for rank, w in enumerate(workers):
-        w.send_messages([m.Hello(rank, TOKEN, "h", 1, "cpu", None)])
     thread = threading.Thread(target=lambda: (relay.gather(10), relay.connect_up(*parent.getsockname()),
                                               relay.serve()), daemon=True)
     thread.start()
-    up, _ = parent.accept()
-    from tdmesh.transport import Connection
-    up = Connection(up)
-    hello = up.recv_messages()[0]
+    workers = [_worker(relay, rank) for rank in range(2)]
+    up, hello = _parent_of(parent)
     assert type(hello) is m.RelayHello and (hello.first, hello.end) == (0, 2)
     assert [h.rank for h in hello.hellos] == [0, 1]
     up.send_control(m.RelayConfig(0.05, 30))
@@ -120,12 +135,11 @@ def test_a_relay_forwards_frames_aggregates_status_and_reports_a_lost_rank():
 def test_a_relay_whose_parent_goes_away_closes_its_ranks():
     parent = _listener()
     relay = Relay(0, 0, 1, TOKEN, bind="127.0.0.1")
-    worker = connect("127.0.0.1", relay.port)
-    worker.send_messages([m.Hello(0, TOKEN, "h", 1, "cpu", None)])
     thread = threading.Thread(target=lambda: (relay.gather(10), relay.connect_up(*parent.getsockname()),
                                               relay.serve()), daemon=True)
     thread.start()
-    up, _ = parent.accept()
+    worker = _worker(relay, 0)
+    up, _ = _parent_of(parent)
     up.close()
     assert worker.recv_payload() is None
     thread.join(5)
@@ -134,10 +148,11 @@ def test_a_relay_whose_parent_goes_away_closes_its_ranks():
 
 def test_a_relay_refuses_a_hello_without_the_token_and_waits_for_the_real_rank():
     relay = Relay(0, 0, 1, TOKEN, bind="127.0.0.1")
-    stranger = connect("127.0.0.1", relay.port)
-    stranger.send_messages([m.Hello(0, "wrong", "h", 1, "cpu", None)])
-    worker = connect("127.0.0.1", relay.port)
-    worker.send_messages([m.Hello(0, TOKEN, "h", 2, "cpu", None)])
-    relay.gather(10)
-    assert stranger.recv_payload() is None
+    thread = threading.Thread(target=relay.gather, args=(10,), daemon=True)
+    thread.start()
+    with pytest.raises(AuthenticationError, match="closed the connection during tdmesh's handshake"):
+        _worker(relay, 0, token="wrong")
+    worker = _worker(relay, 0, pid=2)
+    thread.join(10)
     assert [c.key for c in relay.children] == [0] and relay.hellos[0].pid == 2
+    worker.close()

@@ -16,7 +16,8 @@ import pytest
 from tdmesh import messages as m
 from tdmesh.errors import DeviceException
 from tdmesh.fleet import Gatekeeper, accept_workers
-from tdmesh.transport import MAGIC, encode
+from tdmesh.handshake import join
+from tdmesh.transport import MAGIC, Connection
 
 
 def frame(payload: bytes) -> bytes:
@@ -34,9 +35,10 @@ class Startup:
         self.thread.start()
         assert self.announced.wait(10), "the gatekeeper never announced itself"
 
-    def _announce(self, host: str, port: int, token: str) -> None:
-        self.port, self.token = port, token
+    def _announce(self, host: str, port: int) -> str:
+        self.port, self.token = port, "t" * 32
         self.announced.set()
+        return self.token
 
     def _run(self, world: int, timeout: float) -> None:
         try:
@@ -49,8 +51,9 @@ class Startup:
         return socket.create_connection(("127.0.0.1", self.port), timeout=10)
 
     def worker(self, rank: int) -> socket.socket:
+        """A connection that passes the handshake as ``rank``."""
         s = self.connect()
-        s.sendall(frame(encode(m.Hello(rank, self.token, "test", 1, "cpu", None))))
+        join(Connection(s), self.token, m.Hello(rank, b"", "", "test", 1, "cpu", None), "the test's gate")
         return s
 
 
@@ -101,7 +104,10 @@ def test_a_first_frame_that_never_completes_is_cut(monkeypatch):
     assert startup.error is None, startup.error
     conns, _, gate, _ = startup.result
     trickler.settimeout(10)
-    assert trickler.recv(16) == b"", "the gatekeeper kept a stalled first frame open"
+    received = b""
+    while chunk := trickler.recv(4096):  # the gate's challenge, then the close
+        received += chunk
+    assert received.startswith(MAGIC), "the gatekeeper kept a stalled first frame open"
     assert wait_for(lambda: gate.refused == 1)
     gate.close()
     conns[0].close()

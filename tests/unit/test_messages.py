@@ -38,15 +38,17 @@ SAMPLES = {
     m.Detach: m.Detach(),
     m.Heartbeat: m.Heartbeat(3),
     m.Exit: m.Exit("the client hit an error"),
-    m.Hello: m.Hello(2, "tok-123", "host-a", 4242, "cuda:1", "/tmp/worker2.log"),
+    m.Hello: m.Hello(2, b"n" * 16, "proof-123", "host-a", 4242, "cuda:1", "/tmp/worker2.log"),
     m.FetchResult: m.FetchResult(12, None, m.DependentError(10)),
     m.RemoteFunctionFailed: m.RemoteFunctionFailed(13, 1, "ValueError", "bad value",
                                                    "Traceback (most recent call last):\n  ...\nValueError: bad value"),
     m.WorkerFailed: m.WorkerFailed(16, 2, "torch.ops.aten.index_select.default", "AcceleratorError",
                                    "CUDA error: device-side assert triggered", "Traceback ..."),
     m.Status: m.Status(1, 14),
-    m.RelayHello: m.RelayHello(1, 2, 4, "tok-123", (m.Hello(2, "tok-123", "host-b", 7, "cpu", None),
-                                                  m.Hello(3, "tok-123", "host-b", 8, "cpu", None))),
+    m.RelayHello: m.RelayHello(1, 2, 4, b"n" * 16, "proof-1", (m.Hello(2, b"a" * 16, "p2", "host-b", 7, "cpu", None),
+                                                             m.Hello(3, b"b" * 16, "p3", "host-b", 8, "cpu", None))),
+    m.Challenge: m.Challenge(b"c" * 16),
+    m.Welcome: m.Welcome("proof-w"),
     m.RanksLost: m.RanksLost((2, 3), "its connection to host 1's relay closed"),
 }
 
@@ -75,9 +77,11 @@ FIELDS = {
     m.Detach: (),
     m.TorchMeshArg: ("mesh",),
     m.Heartbeat: ("rank",),
-    m.Hello: ("rank", "token", "hostname", "pid", "device", "log"),
+    m.Hello: ("rank", "nonce", "proof", "hostname", "pid", "device", "log"),
+    m.Challenge: ("nonce",),
+    m.Welcome: ("proof",),
     m.FetchResult: ("seq", "value", "error", "rank"),
-    m.RelayHello: ("host", "first", "end", "token", "hellos"),
+    m.RelayHello: ("host", "first", "end", "nonce", "proof", "hellos"),
     m.RelayConfig: ("heartbeat_interval", "heartbeat_timeout"),
     m.RanksLost: ("ranks", "why"),
     m.RemoteFunctionFailed: ("seq", "rank", "exc_type", "message", "traceback"),
@@ -113,8 +117,9 @@ def test_direction_tables_are_exactly_the_documented_records():
     assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.WorkerFailed,
                                   m.Status, m.RelayHello, m.RanksLost)
     assert m.RELAY_CONTROL == (m.RelayConfig,)
+    assert m.HANDSHAKE == (m.Challenge, m.Welcome)
     assert set(m.CLIENT_TO_WORKER).isdisjoint(m.WORKER_TO_CLIENT)
-    assert set(SAMPLES) == set(m.CLIENT_TO_WORKER) | set(m.WORKER_TO_CLIENT)
+    assert set(SAMPLES) == set(m.CLIENT_TO_WORKER) | set(m.WORKER_TO_CLIENT) | set(m.HANDSHAKE)
 
 
 @pytest.mark.parametrize("cls", list(FIELDS), ids=lambda c: c.__name__)
