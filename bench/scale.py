@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -134,11 +135,13 @@ def _spawn_sim(hosts: int, per_host: int, fanout: int):
         ports.append(int(p.stdout.readline()))
     parents = relay_parents(hosts, fanout)
 
-    def wire(client_host: str, client_port: int, token: str) -> None:
+    def wire(client_host: str, client_port: int) -> str:
+        token = secrets.token_hex(16)
         for host, p in enumerate(procs):
             up = (client_host, client_port) if parents[host] < 0 else ("127.0.0.1", ports[parents[host]])
             p.stdin.write(f"{up[0]} {up[1]} {token}\n")
             p.stdin.flush()
+        return token
     return procs, wire
 
 
