@@ -16,6 +16,7 @@ from .errors import DeviceException, PlacementError, RemoteException, TdmeshErro
 from .fetch import fetch_all, fetch_shard, inspect, show
 from .future import Future, ValueMesh
 from .launcher import attach, local_mesh, local_meshes, restart_count, world_mesh
+from .logs import set_log_level
 from .mesh import DeviceMesh, RemoteProcessGroup
 from .objects import ObjectHandle, ObjectMethod
 from .optim import register_foreach_support  # noqa: F401 - registers tdmesh.Tensor with torch.optim
@@ -34,5 +35,5 @@ __all__ = [
     "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
     "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all",
-    "show", "attach", "random", "UsageError", "ObjectHandle", "ObjectMethod",
+    "show", "attach", "random", "UsageError", "ObjectHandle", "ObjectMethod", "set_log_level",
 ]

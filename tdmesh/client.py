@@ -18,18 +18,19 @@ import selectors
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from . import _coalescing as coalescing
 from . import messages as m
 from .config import ControllerParams, SupervisionParams
+from .debugging import Debugger
 from .errors import DeviceException, ProtocolError, UsageError, call_site, frames, site_text
 from .future import Future
 from .history import History
 from .outbox import Outbox
-from .supervisor import FleetFailure, FleetInfo, Supervisor
+from .supervisor import FleetFailure, FleetInfo, Supervisor, WorkerLost
 from .transport import Connection, encode
 
 log = logging.getLogger("tdmesh")
@@ -44,12 +45,6 @@ _dumps = pickle.dumps  # transport.encode, without the call: submit runs once pe
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _monotonic = time.monotonic
 _FLUSH_INTERVAL = 0.002
-
-
-class WorkerLost(NamedTuple):
-    """Inbox item: a child's connection closed (or a relay lost ``ranks``); ``why`` says how."""
-    why: str
-    ranks: tuple = ()
 
 
 class Client:
@@ -88,6 +83,7 @@ class Client:
         self.controller = controller or ControllerParams.from_env()
         self._ops_since_probe = 0
         self._probe_every = self.controller.ops_per_progress_request
+        self.debugger = Debugger(self)
         self.supervisor = Supervisor(self, self.supervision, self.controller, process_failure)
         self._reader = threading.Thread(target=self._read_loop, name="tdmesh-reader", daemon=True)
         self._reader.start()
@@ -95,7 +91,7 @@ class Client:
         self._flusher.start()
         self._handlers: dict[type, Callable[[int, Any], None]] = {
             m.Status: self.Status, m.FetchResult: self.FetchResult, m.RemoteFunctionFailed: self.RemoteFunctionFailed,
-            WorkerLost: self.WorkerLost, FleetFailure: self.FleetFailure}
+            WorkerLost: self.WorkerLost, FleetFailure: self.FleetFailure, **self.debugger.handlers}
         for key in self.relays:
             conns[key].send_control(m.RelayConfig(*self.supervision))
         self.send_setup(m.Supervise(self.supervision.heartbeat_interval))
@@ -308,6 +304,8 @@ class Client:
                             why = self.info.exit_reason() or msg.why  # the launcher's account, if it has one
                             self.inbox.put((msg.ranks[0], WorkerLost(why, msg.ranks)))
                         continue
+                    elif t is m.DebuggerRead or t is m.DebuggerDone:
+                        self.debugger.seen(msg)
                     elif t is m.WorkerFailed:  # at once: its exit must not be reported first
                         self.fail_from_supervisor(self.info.broken_device(msg, self.site_of(msg.seq)))
                         continue

@@ -185,6 +185,11 @@ class RequestStatus(NamedTuple):
     seq: int
 
 
+class DebuggerInput(NamedTuple):
+    """A line the user typed for the rank whose pdb session has the client's terminal."""
+    line: str                 # with its newline; "" is end of input (pdb quits)
+
+
 class Supervise(NamedTuple):
     """Start sending Heartbeats every ``heartbeat_interval`` seconds."""
     heartbeat_interval: float
@@ -251,6 +256,20 @@ class Status(NamedTuple):
     first_uncompleted: int
 
 
+class DebuggerRead(NamedTuple):
+    """``rank`` is stopped in pdb (``breakpoint()`` in a remote function): print ``output``
+    (what pdb printed, ending in its prompt) and send it the user's next line."""
+    rank: int
+    output: str
+
+
+class DebuggerDone(NamedTuple):
+    """``rank``'s pdb session gave the terminal back (continue, quit, or its remote function
+    returned): print ``output``; another rank's session may start."""
+    rank: int
+    output: str
+
+
 # --------------------------------------------------------------------- relays
 class RelayHello(NamedTuple):
     """A host's relay to its parent, once ranks ``range(first, end)`` (``hellos``) are connected to it."""
@@ -291,8 +310,9 @@ class DependentError(NamedTuple):
 
 CLIENT_TO_WORKER = (CallFunction, DefineOp, CallOp, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups,
                     DefineRecording, CallRecording, BorrowCreate, BorrowFirstUse, BorrowLastUse, BorrowDrop, DeleteRefs,
-                    RequestStatus, Supervise, Detach, Exit)
-WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status, RelayHello, RanksLost)
+                    RequestStatus, DebuggerInput, Supervise, Detach, Exit)
+WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status, DebuggerRead,
+                    DebuggerDone, RelayHello, RanksLost)
 RELAY_CONTROL = (RelayConfig,)
 HANDSHAKE = (Challenge, Welcome)
 

@@ -22,6 +22,12 @@ from .errors import DeviceException
 log = logging.getLogger("tdmesh")
 
 
+class WorkerLost(NamedTuple):
+    """Inbox item: a child's connection closed (or a relay lost ``ranks``); ``why`` says how."""
+    why: str
+    ranks: tuple = ()
+
+
 class FleetFailure(NamedTuple):
     """Inbox item: the supervisor (or the reader) found the fleet broken."""
     error: DeviceException
@@ -171,6 +177,9 @@ class Supervisor:
         if now - self._last_probe > params.progress_check_interval and client.outstanding_work(frontier):
             client.send_probe()
         if not self.probes:
+            return
+        if client.debugger.stopped:  # a rank in pdb is not stuck: its ops' clocks start again when it resumes
+            self.probes = [(seq, now) for seq, _ in self.probes]
             return
         seq, sent = self.probes[0]
         late = now - sent

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..codec import describe_tensor
+
+_levels_before: dict[str, int] = {}  # logger name -> its level before this session's set_log_level
 
 
 def mesh_rank(mesh, dims) -> torch.Tensor:
@@ -108,3 +112,17 @@ def recording_modes() -> dict:
     if interp is None:
         return {}
     return interp.recordings.modes()
+
+
+def set_log_level(logger: str, level: int) -> None:
+    """``tdmesh.set_log_level``: ``logger`` ("tdmesh": tdmesh's own; "": the root) logs at ``level``."""
+    target = logging.getLogger(logger or None)
+    _levels_before.setdefault(logger, target.level)
+    target.setLevel(level)
+
+
+def restore_log_levels() -> None:
+    """Put back the levels that ``set_log_level`` changed, when the client's session ends."""
+    for logger, level in _levels_before.items():
+        logging.getLogger(logger or None).setLevel(level)
+    _levels_before.clear()

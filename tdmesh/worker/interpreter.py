@@ -22,6 +22,7 @@ from .. import messages as m
 from ..errors import ProtocolViolation, RecordingError
 from . import collectives
 from .borrows import Borrows
+from .debugger import Console
 from .functions import resolve
 from .groups import Groups
 from .mesh import WorkerMesh
@@ -60,6 +61,7 @@ class Interpreter:
         self.borrows = Borrows(rank)
         self.recordings = Recordings()
         self.ops: dict[int, DefinedOp] = {}
+        self.console = Console(rank, send)  # breakpoint() in a remote function: see loop._session
         self.caused_error = False
         self.fatal: BaseException | None = None
         self.exit_request: m.Exit | m.Detach | None = None
@@ -173,6 +175,9 @@ class Interpreter:
         pending = [len(streams), threading.Lock()]
         for s in streams:
             s.submit(self._status_marker, (msg, pending))
+
+    def DebuggerInput(self, msg: m.DebuggerInput) -> None:
+        self.console.lines.put(msg.line)  # for the stream stopped in pdb, which is waiting for it
 
     def Supervise(self, msg: m.Supervise) -> None:
         """Heartbeats come from a thread of their own: a busy stream is not a dead worker."""

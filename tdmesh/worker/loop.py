@@ -23,6 +23,7 @@ from ..handshake import join
 from ..relay import Relay
 from ..rendezvous import NEXT_JOB, SHUTDOWN, connect_store, job_scope, reachable_host, read_controller, store_address
 from ..transport import ProtocolError, RankFilter, connect
+from . import builtins
 from .interpreter import Interpreter
 from .values import DeviceBroken
 
@@ -239,6 +240,7 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
     interp = Interpreter(rank, device, send, world_size=int(os.environ["WORLD_SIZE"]), threaded=True,
                          on_fatal=stop_reading)
     mine = RankFilter(rank)
+    sys.breakpointhook = interp.console.breakpoint
     try:
         while interp.exit_request is None:
             payload = conn.recv_payload()
@@ -257,6 +259,8 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
         return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
     finally:
         conn.close()
+        sys.breakpointhook = sys.__breakpointhook__  # this session's settings end with it (a pooled
+        builtins.restore_log_levels()                # or attached worker serves another client next)
     if isinstance(interp.fatal, DeviceBroken):  # reported to the client as WorkerFailed
         log.error("rank %d: %s; the device is unusable, leaving", rank, interp.fatal)
         return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False

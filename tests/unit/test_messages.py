@@ -32,6 +32,7 @@ SAMPLES = {
     m.BorrowDrop: m.BorrowDrop(3),
     m.DeleteRefs: m.DeleteRefs((1, 2, 3)),
     m.RequestStatus: m.RequestStatus(11),
+    m.DebuggerInput: m.DebuggerInput("p x\n"),
     m.DefineRecording: m.DefineRecording(5, (m.DeleteRefs((9,)),), (1, 2), (3,), 0, 2),
     m.CallRecording: m.CallRecording(15, 5, (10, 11), (12,)),
     m.Supervise: m.Supervise(0.5),
@@ -49,6 +50,8 @@ SAMPLES = {
                                                              m.Hello(3, b"b" * 16, "p3", "host-b", 8, "cpu", None))),
     m.Challenge: m.Challenge(b"c" * 16),
     m.Welcome: m.Welcome("proof-w"),
+    m.DebuggerRead: m.DebuggerRead(1, "> script.py(4)f()\n-> return x\n(Pdb rank 1) "),
+    m.DebuggerDone: m.DebuggerDone(1, ""),
     m.RanksLost: m.RanksLost((2, 3), "its connection to host 1's relay closed"),
 }
 
@@ -70,6 +73,9 @@ FIELDS = {
     m.BorrowDrop: ("borrow",),
     m.DeleteRefs: ("refs",),
     m.RequestStatus: ("seq",),
+    m.DebuggerInput: ("line",),
+    m.DebuggerRead: ("rank", "output"),
+    m.DebuggerDone: ("rank", "output"),
     m.Exit: ("error",),
     m.DefineRecording: ("recording", "commands", "formals", "results", "chunk", "total", "mode"),
     m.CallRecording: ("seq", "recording", "actuals", "results"),
@@ -113,9 +119,9 @@ def test_direction_tables_are_exactly_the_documented_records():
     assert m.CLIENT_TO_WORKER == (m.CallFunction, m.DefineOp, m.CallOp, m.SendValue, m.Reduce, m.ReduceMany,
                                   m.SendTensor, m.CreateGroups, m.DefineRecording, m.CallRecording, m.BorrowCreate,
                                   m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs, m.RequestStatus,
-                                  m.Supervise, m.Detach, m.Exit)
+                                  m.DebuggerInput, m.Supervise, m.Detach, m.Exit)
     assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.WorkerFailed,
-                                  m.Status, m.RelayHello, m.RanksLost)
+                                  m.Status, m.DebuggerRead, m.DebuggerDone, m.RelayHello, m.RanksLost)
     assert m.RELAY_CONTROL == (m.RelayConfig,)
     assert m.HANDSHAKE == (m.Challenge, m.Welcome)
     assert set(m.CLIENT_TO_WORKER).isdisjoint(m.WORKER_TO_CLIENT)

@@ -1,0 +1,122 @@
+"""Remote debugging and logging: breakpoint() in a remote function is a pdb session in the
+client's terminal, one rank at a time (driven here over a pipe, as a user would type), under
+local_mesh and torchrun; set_log_level changes what the workers log."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import tdmesh
+from tdmesh import RemoteException, inspect, remote
+
+from paths import REPO, SCRIPTS
+
+SCRIPT = os.path.join(SCRIPTS, "debug_client.py")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "-m", "tdmesh.worker"]
+SESSION = "p x\nn\np y\nc\n"  # per rank: x is rank*10+7, a step, y is 2x, continue
+
+
+def env(**extra):
+    return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TDMESH_PEER_EXIT_DELAY="2.5", **extra)
+
+
+def run_script(command, typed: str):
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env())
+    out, err = proc.communicate(typed, timeout=180)
+    return proc.returncode, out, err
+
+
+def sessions(out: str) -> list[tuple[int, str]]:
+    """The pdb sessions in the client's output: (rank, what it printed), in order."""
+    parts = out.split("[tdmesh] pdb on worker rank ")[1:]
+    return [(int(p.split(" ", 1)[0]), p) for p in parts]
+
+
+def assert_both_ranks_stepped(rc, out, err):
+    assert rc == 0, err[-3000:]
+    found = sessions(out)
+    assert sorted(rank for rank, _ in found) == [0, 1]  # each rank once, whichever stopped first
+    for rank, text in found:
+        prompt = f"(Pdb rank {rank}) "
+        x, y = rank * 10 + 7, (rank * 10 + 7) * 2
+        assert f"{prompt}{x}\n" in text and f"{prompt}{y}\n" in text, text
+        assert text.index(f"{prompt}{x}\n") < text.index("-> return y") < text.index(f"{prompt}{y}\n")
+        assert "Pdb rank 0" not in text or "Pdb rank 1" not in text  # one rank's session at a time
+    assert "results [14, 34]" in out and out.rstrip().endswith("script done")
+
+
+def test_breakpoint_on_every_rank_is_one_pdb_session_per_rank_under_local_mesh():
+    assert_both_ranks_stepped(*run_script([sys.executable, SCRIPT, "local", "both"], SESSION * 2))
+
+
+def test_breakpoint_on_every_rank_under_torchrun():
+    assert_both_ranks_stepped(*run_script(TORCHRUN + [SCRIPT, "torchrun", "both"], SESSION * 2))
+
+
+def test_quit_makes_the_remote_function_raise_and_the_worker_serves_on():
+    rc, out, err = run_script([sys.executable, SCRIPT, "local", "quit"], "w\nq\n")
+    assert rc == 0, err[-3000:]
+    [(rank, text)] = sessions(out)
+    assert rank == 1
+    assert "stop_here()" in text and "tdmesh/worker" not in text  # `w` shows the user's frames only
+    assert "quit raised RemoteException True" in out  # BdbQuit, at the user's line
+    assert "after quit 101" in out and out.rstrip().endswith("script done")
+
+
+def test_a_rank_in_pdb_is_not_a_stuck_op():
+    """With a 1 s operation timeout that fails the fleet, sessions that outlast it still succeed."""
+    stuck_fails = env(TDMESH_OPERATION_TIMEOUT="1", TDMESH_FAIL_ON_OPERATION_TIMEOUT="1",
+                      TDMESH_PROGRESS_CHECK_INTERVAL="0.2")
+    proc = subprocess.Popen([sys.executable, SCRIPT, "local", "both"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=stuck_fails)
+    seen = b""
+    try:
+        for prompts in (1, 2):  # each rank's prompt: keep it waiting past the timeout, then continue
+            while seen.count(b"(Pdb rank") < prompts:
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                assert chunk, proc.stderr.read().decode()[-3000:]
+                seen += chunk
+            time.sleep(3)
+            proc.stdin.write(b"c\n")
+            proc.stdin.flush()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    assert b"results [14, 34]" in seen + out
+
+
+def fail_here(x):
+    raise ValueError("a failure for the log")
+
+
+def test_set_log_level_shows_worker_debug_lines_until_the_session_ends(tmp_path, monkeypatch):
+    monkeypatch.setenv("TDMESH_LOG_FILE", str(tmp_path / "worker{rank}.log"))
+    fail = remote(fail_here, propagate=lambda x: x)
+    logs = [tmp_path / f"worker{r}.log" for r in (0, 1)]
+
+    def fail_once(mesh):
+        with mesh.activate(), pytest.raises(RemoteException):
+            inspect(fail(torch.ones(1)))
+        return [log.read_text().count("failed on worker") for log in logs]
+
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh:
+        pids = [h.pid for h in mesh.client.hellos.values()]
+        assert fail_once(mesh) == [0, 0]  # TDMESH_LOG_LEVEL's default, WARNING, hides the debug line
+        with pytest.raises(ValueError, match="unknown log level"):
+            tdmesh.set_log_level("LOUD", mesh)
+        with mesh.activate():
+            tdmesh.set_log_level("debug")
+        assert fail_once(mesh) == [1, 1]
+        tdmesh.set_log_level(30, mesh)
+        assert fail_once(mesh) == [1, 1]
+        tdmesh.set_log_level("DEBUG", mesh)
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh:  # the same warm workers, a new session
+        assert [h.pid for h in mesh.client.hellos.values()] == pids
+        assert fail_once(mesh) == [1, 1]  # the level went back when the last session ended
