@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import messages as m
-from .activation import Activation
+from .activation import Activation, deactivate
 from .errors import UsageError
 from .fanout import RankList
 from .grouping import normalize_dims
@@ -127,6 +127,11 @@ class DeviceMesh:
         the previous mesh on exit."""
         self._live().check_usable()
         return Activation(self)
+
+    def deactivate(self) -> None:
+        """End the activation begun by ``activate()`` called without ``with``; the mesh that
+        was active before is active again.  A UsageError if this mesh is not the active one."""
+        deactivate(self)
 
     def rank(self, dims: str | Sequence[str]):
         """A remote int64 scalar: each worker's coordinate along ``dims`` (row-major in the given order)."""
