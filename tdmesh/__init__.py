@@ -15,7 +15,7 @@ from .config import ControllerParams, SupervisionParams
 from .errors import DeviceException, PlacementError, RemoteException, TdmeshError
 from .fetch import fetch_all, fetch_shard, inspect, show
 from .future import Future, ValueMesh, as_completed
-from .launcher import attach, local_mesh, local_meshes, restart_count, world_mesh
+from .launcher import LoggingLocation, attach, local_mesh, local_meshes, restart_count, world_mesh
 from .mesh import DeviceMesh, RemoteProcessGroup
 from .optim import register_foreach_support  # noqa: F401 - registers tdmesh.Tensor with torch.optim
 from .profiling import profile
@@ -33,5 +33,5 @@ __all__ = [
     "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
     "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all",
-    "show", "attach", "random", "as_completed",
+    "show", "attach", "random", "as_completed", "LoggingLocation",
 ]
