@@ -14,8 +14,8 @@ from .collectives import MeshSliceTensor, reduce, reduce_, slice_mesh, to_mesh
 from .config import ControllerParams, SupervisionParams
 from .errors import DeviceException, PlacementError, RemoteException, TdmeshError, UsageError
 from .fetch import fetch_all, fetch_shard, inspect, show
-from .future import Future, ValueMesh
-from .launcher import attach, local_mesh, local_meshes, restart_count, world_mesh
+from .future import Future, ValueMesh, as_completed
+from .launcher import LoggingLocation, attach, local_mesh, local_meshes, restart_count, world_mesh
 from .logs import set_log_level
 from .mesh import DeviceMesh, RemoteProcessGroup
 from .objects import ObjectHandle, ObjectMethod
@@ -35,5 +35,6 @@ __all__ = [
     "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
     "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all",
-    "show", "attach", "random", "UsageError", "ObjectHandle", "ObjectMethod", "set_log_level",
+    "show", "attach", "random", "UsageError", "ObjectHandle", "ObjectMethod", "set_log_level", "as_completed",
+    "LoggingLocation",
 ]

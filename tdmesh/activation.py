@@ -1,7 +1,8 @@
 """``mesh.activate()`` and ``tdmesh.no_mesh``: making a mesh the one ops run on.
 
 Activation takes effect on call (before any ``with``) and restores the previous mesh when
-its context exits, so activations nest.  While any mesh is active the client runs the
+its context exits, so activations nest; ``mesh.deactivate()`` ends one begun without
+``with`` (the innermost, which must be that mesh's).  While any mesh is active the client runs the
 dispatch mode that turns torch ops into remote ops, and the mesh's :class:`MeshFunctions`
 (factories describe tensors of the mesh's device type; local data given to
 ``torch.tensor`` ships); ``no_mesh`` inside a CUDA mesh gives local factories back the
@@ -20,14 +21,17 @@ from torch.utils._python_dispatch import _pop_mode, _push_mode
 
 from ._context import active_mesh, active_mesh_or_none
 from .dispatch import MESH_MODE, ship_local
+from .errors import UsageError, user_line
 from .tensor import Tensor
 from .unshaped import host_values
 
-__all__ = ["Activation", "MeshFunctions", "no_mesh"]
+__all__ = ["Activation", "MeshFunctions", "no_mesh", "deactivate"]
 
 # The client's own default device, as it was before a CUDA mesh made factories default to
 # "cuda": under no_mesh, local tensors go back there.
 _client_device: contextvars.ContextVar = contextvars.ContextVar("tdmesh_client_device", default=None)
+# The innermost activation still in effect, for mesh.deactivate() (activate() used without ``with``).
+_innermost: contextvars.ContextVar = contextvars.ContextVar("tdmesh_innermost_activation", default=None)
 _mode_lock = threading.Lock()
 _mode_depth = 0
 
@@ -38,6 +42,7 @@ class Activation:
     def __init__(self, mesh) -> None:
         self._mesh = mesh
         self._token = active_mesh.set(mesh)
+        self._innermost_token = _innermost.set(self)
         self._device_token = None
         self._device_ctx: DeviceContext | None = None
         if mesh is not None:
@@ -67,6 +72,19 @@ class Activation:
         if self._device_token is not None:
             _client_device.reset(self._device_token)
         active_mesh.reset(self._token)
+        _innermost.reset(self._innermost_token)
+
+
+def deactivate(mesh) -> None:
+    """End the innermost activation, which must be ``mesh``'s: the mesh active before it is
+    active again.  Activations nest, so ending an outer one first would leave the inner
+    one's mesh active under the outer's name; that is refused."""
+    current = _innermost.get()
+    if current is None or current._mesh is not mesh:
+        active = "no mesh is active" if current is None else f"the active mesh is {current._mesh!r}"
+        raise UsageError(f"{mesh!r} is not the active mesh ({active}): deactivate() ends the innermost "
+                         f"activation, begun by that mesh's activate()\n  at {user_line()}")
+    current.deactivate()
 
 
 class MeshFunctions(DeviceContext):

@@ -1,11 +1,12 @@
 """``Future``: a value the workers will send, or the error that prevents it; ``ValueMesh``:
-one value per rank, what ``Remote.call`` and ``fetch_all`` deliver."""
+one value per rank, what ``Remote.call`` and ``fetch_all`` deliver; ``as_completed``: futures
+in the order they finish."""
 
 from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,9 @@ from .codec import unpack_tensor
 from .errors import DeviceException
 
 _PENDING = object()
+# Waiting on futures of several fleets: each client's replies arrive on its own queue, so the
+# wait takes turns, blocking on one client's queue this long before the next one's.
+_TURN_SECONDS = 0.01
 
 
 class Future:
@@ -99,6 +103,50 @@ class Future:
     def __repr__(self) -> str:
         state = "pending" if not self._finished() else ("failed" if self._exception else "done")
         return f"<tdmesh.Future {state}>"
+
+
+
+def as_completed(futures: Iterable[Future], timeout: float | None = None) -> Iterator[Future]:
+    """Yield each of ``futures`` once it is done (its value or its error has arrived), in the
+    order they finish, as ``concurrent.futures.as_completed``: ones already done come first, a
+    future given twice is yielded once, and ``TimeoutError`` is raised by the ``next()`` that
+    finds some still pending ``timeout`` seconds after this call.  Waiting applies the fleet's
+    replies (``client.pump``), blocking until one arrives; futures of several fleets are
+    waited on in turns."""
+    unique = list(dict.fromkeys(futures))  # a Future hashes by identity
+    for f in unique:
+        if not isinstance(f, Future):
+            raise TypeError(f"as_completed takes tdmesh Futures, got {type(f).__name__}")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    return _in_completion_order(unique, deadline, timeout)
+
+
+def _in_completion_order(pending: list[Future], deadline: float | None, timeout: float | None) -> Iterator[Future]:
+    total = len(pending)
+
+    def any_finished() -> bool:
+        return any(f._finished() for f in pending)
+
+    while pending:
+        finished = [f for f in pending if f._finished()]
+        if finished:
+            pending = [f for f in pending if f not in finished]
+            yield from finished
+            continue
+        clients = list(dict.fromkeys(f._client for f in pending))
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            for client in clients:
+                client.pump(0, until=any_finished)  # a last look at what has already arrived
+            if not any_finished():
+                raise TimeoutError(f"{len(pending)} (of {total}) futures were not done within {timeout} s")
+        elif len(clients) == 1:
+            clients[0].pump(remaining, until=any_finished)
+        else:
+            for client in clients:
+                client.pump(_TURN_SECONDS if remaining is None else min(_TURN_SECONDS, remaining), until=any_finished)
+                if any_finished():
+                    break
 
 
 def load_value(payload: bytes):

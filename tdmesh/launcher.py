@@ -4,7 +4,8 @@
 with ``torch.distributed.elastic.multiprocessing.start_processes`` -- the same machinery
 torchrun uses -- each running ``python -m tdmesh.worker --serve`` with torchrun's
 environment variables.  Hosts are simulated on this machine.  The calling process is the
-client; its c10d ``TCPStore`` is the rendezvous.
+client; its c10d ``TCPStore`` is the rendezvous.  ``logging=`` (Monarch's
+:class:`LoggingLocation`) says where the workers' output goes: this terminal, or files.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from enum import Enum
 
 import torch
 from torch.distributed import TCPStore
@@ -35,9 +38,30 @@ from .security import derive, secret_token, warn_if_exposed
 from .shape import Shape
 from .slice import Slice
 
-__all__ = ["local_mesh", "local_meshes", "world_mesh", "restart_count", "attach", "connect_world"]
+__all__ = ["local_mesh", "local_meshes", "world_mesh", "restart_count", "attach", "connect_world", "LoggingLocation"]
 
 _world: DeviceMesh | None = None
+
+
+class LoggingLocation(Enum):
+    """Where a local mesh's workers write their stdout and stderr (Monarch's names):
+    ``DEFAULT``, the terminal of the client; ``FILE``, one ``stdout.log`` and one ``stderr.log``
+    per worker under ``log_dir`` (a new temporary directory when none is given)."""
+
+    DEFAULT = "default"
+    FILE = "file"
+
+
+def _logging_location(logging: LoggingLocation | None, log_dir: str | None) -> LoggingLocation:
+    """``logging=None`` means files when a ``log_dir`` is given (as before ``logging=``), else the terminal."""
+    if logging is None:
+        return LoggingLocation.FILE if log_dir else LoggingLocation.DEFAULT
+    if not isinstance(logging, LoggingLocation):
+        raise TypeError(f"logging must be a tdmesh.LoggingLocation (FILE or DEFAULT), got {logging!r}")
+    if logging is LoggingLocation.DEFAULT and log_dir:
+        raise ValueError(f"logging=LoggingLocation.DEFAULT sends worker logs to this terminal, so log_dir={log_dir!r} "
+                         f"would not be used: pass logging=LoggingLocation.FILE to write files there")
+    return logging
 
 
 def _default_gpus() -> int:
@@ -60,8 +84,10 @@ def describe_failures(processes, log_files: dict) -> str | None:
     return "; ".join(parts)
 
 
-def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_dir: str | None,
-                       device_offset: int = 0, supervision=None, controller=None, pool: bool = True) -> Fleet:
+def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, logging: LoggingLocation,
+                       log_dir: str | None, device_offset: int = 0, supervision=None, controller=None,
+                       pool: bool = True) -> Fleet:
+    """``log_dir=None`` with ``FILE``: a new temporary directory, or warm workers' own."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
     if hosts < 1 or gpus_per_host < 1:
@@ -78,11 +104,13 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
     # workers inherit this process's environment: only an identical one may reuse parked workers
     # (but torch's first compile-related import sets an inductor cache directory in it)
     inherited = frozenset(kv for kv in os.environ.items() if not kv[0].startswith("TORCHINDUCTOR_"))
-    key = (hosts, gpus_per_host, backend, cuda, device_offset, log_dir, tuple(sys.path), inherited) if pool else None
+    # a warm worker's output stays where it was redirected when it started: only the same logging setup reuses it
+    logs = (logging.value, log_dir)
+    key = (hosts, gpus_per_host, backend, cuda, device_offset, logs, tuple(sys.path), inherited) if pool else None
     parked = warm_pool.take(key) if key is not None and warm_pool.idle_timeout() > 0 else None
     if parked is not None:
         parked.store.set(parked.scope + warm_pool.NEXT_JOB, scope)  # the parked workers join this job
-        return _accept(hosts, gpus_per_host, parked.processes, parked.store, scope, parked.log_files, log_dir,
+        return _accept(hosts, gpus_per_host, parked.processes, parked.store, scope, parked.log_files,
                        supervision, controller, key, f"from the warm pool ({hosts} host x {gpus_per_host}, {backend})",
                        cuda)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=1800))
@@ -104,7 +132,10 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
         env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank % gpus_per_host),
                    GROUP_RANK=str(rank // gpus_per_host), TDMESH_DEVICE_INDEX=str(device_offset + rank))
         envs[rank] = env
-    specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL if log_dir else Std.NONE)
+    to_files = logging is LoggingLocation.FILE
+    if to_files and not log_dir:
+        log_dir = tempfile.mkdtemp(prefix="tdmesh_logs_")
+    specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL if to_files else Std.NONE)
     # torch elastic installs SIGINT/SIGTERM handlers in the calling process and never puts
     # the user's back: keep Ctrl-C a KeyboardInterrupt for the client.
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -115,20 +146,21 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, log_
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     log_files = {}
-    if log_dir:
+    if to_files:
         for rank in range(world):
             log_files[rank] = processes.stderrs.get(rank) if hasattr(processes, "stderrs") else None
-    return _accept(hosts, gpus_per_host, processes, store, scope, log_files, log_dir, supervision, controller, key,
+    return _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervision, controller, key,
                    f"({hosts} host x {gpus_per_host}, {backend})", cuda)
 
 
-def _accept(hosts, gpus_per_host, processes, store, scope, log_files, log_dir, supervision, controller, pool_key,
+def _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervision, controller, pool_key,
             how: str, cuda: bool) -> Fleet:
     """The common end of a local fleet's start: fresh or warm workers connect to a new client."""
     world = hosts * gpus_per_host
-    where = os.path.dirname(os.path.dirname(next(iter(log_files.values())) or log_dir)) if log_dir else "this terminal"
-    print(f"tdmesh: {world} {'GPU' if cuda else 'CPU'} workers {how}; worker logs: {where}", file=sys.stderr,
-          flush=True)
+    # torch elastic writes LOG_DIR/RUN_ID/attempt_0/RANK/std{out,err}.log: the folder of every rank's
+    log_dir = os.path.dirname(os.path.dirname(log_files[0])) if log_files.get(0) else None
+    print(f"tdmesh: {world} {'GPU' if cuda else 'CPU'} workers {how}; worker logs: {log_dir or 'this terminal'}",
+          file=sys.stderr, flush=True)
 
     def failed() -> str | None:
         return describe_failures(processes, log_files)
@@ -151,26 +183,31 @@ def _mesh_for(fleet: Fleet, hosts: int, gpus_per_host: int) -> DeviceMesh:
 
 @contextlib.contextmanager
 def local_mesh(hosts: int = 1, gpus_per_host: int | None = None, *, backend: str | None = None,
-               log_dir: str | None = None, supervision=None, controller=None,
-               pool: bool = True) -> Iterator[DeviceMesh]:
+               logging: LoggingLocation | None = None, log_dir: str | None = None, supervision=None,
+               controller=None, pool: bool = True) -> Iterator[DeviceMesh]:
     """A mesh of ``hosts x gpus_per_host`` worker processes on this machine.
 
     ``gpus_per_host=None`` means the visible CUDA devices, or 2 CPU workers without CUDA.
     ``pool``: take warm workers a finished mesh of the same shape left (:mod:`tdmesh.pool`),
     and leave this one's warm when it exits cleanly; ``False`` starts and stops fresh ones.
-    Logs go to this terminal, or to per-process files under ``log_dir``.  Leaving the block
-    shuts the fleet down and raises any remote error nobody observed.
+    ``logging``: ``LoggingLocation.DEFAULT`` leaves the workers' output on this terminal;
+    ``LoggingLocation.FILE`` writes each worker's stdout and stderr to files under ``log_dir``
+    (a new temporary directory if it is None); left out, it is FILE when ``log_dir`` is given.
+    The startup line says where the logs are.  Leaving the block shuts the fleet down and
+    raises any remote error nobody observed.
     """
-    with local_meshes(1, hosts, gpus_per_host, backend=backend, log_dir=log_dir,
+    with local_meshes(1, hosts, gpus_per_host, backend=backend, logging=logging, log_dir=log_dir,
                       supervision=supervision, controller=controller, pool=pool) as meshes:
         yield meshes[0]
 
 
 @contextlib.contextmanager
 def local_meshes(meshes: int = 2, hosts_per_mesh: int = 1, gpus_per_host: int | None = None, *,
-                 backend: str | None = None, log_dir: str | None = None, supervision=None,
-                 controller=None, pool: bool = True) -> Iterator[list[DeviceMesh]]:
-    """Several independent fleets at once; a failure in one leaves the others usable."""
+                 backend: str | None = None, logging: LoggingLocation | None = None, log_dir: str | None = None,
+                 supervision=None, controller=None, pool: bool = True) -> Iterator[list[DeviceMesh]]:
+    """Several independent fleets at once; a failure in one leaves the others usable.  With
+    ``log_dir`` and more than one mesh, mesh ``i`` logs under ``log_dir/mesh<i>``."""
+    location = _logging_location(logging, log_dir)
     gpus = _default_gpus() if gpus_per_host is None else gpus_per_host
     if gpus < 1:
         gpus = 2
@@ -179,8 +216,8 @@ def local_meshes(meshes: int = 2, hosts_per_mesh: int = 1, gpus_per_host: int | 
         for i in range(meshes):
             sub_dir = os.path.join(log_dir, f"mesh{i}") if log_dir and meshes > 1 else log_dir
             offset = i * hosts_per_mesh * gpus if torch.cuda.is_available() else 0
-            fleets.append(_start_local_fleet(hosts_per_mesh, gpus, backend, sub_dir, offset, supervision, controller,
-                                             pool))
+            fleets.append(_start_local_fleet(hosts_per_mesh, gpus, backend, location, sub_dir, offset, supervision,
+                                             controller, pool))
         result = [_mesh_for(f, hosts_per_mesh, gpus) for f in fleets]
     except BaseException:
         for f in fleets:

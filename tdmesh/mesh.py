@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from . import messages as m
-from .activation import Activation
-from .errors import UsageError
+from .activation import Activation, deactivate
+from .errors import UsageError, user_line
 from .fanout import RankList
 from .grouping import normalize_dims
 from .objects import spawn
@@ -133,6 +133,11 @@ class DeviceMesh:
         self._live().check_usable()
         return Activation(self)
 
+    def deactivate(self) -> None:
+        """End the activation begun by ``activate()`` called without ``with``; the mesh that
+        was active before is active again.  A UsageError if this mesh is not the active one."""
+        deactivate(self)
+
     def rank(self, dims: str | Sequence[str]):
         """A remote int64 scalar: each worker's coordinate along ``dims`` (row-major in the given order)."""
         if isinstance(dims, str):
@@ -177,7 +182,8 @@ class DeviceMesh:
 
 class RemoteProcessGroup:
     """``mesh.process_group(dims)``: a remote function receives it as a real
-    ``torch.distributed.ProcessGroup`` over ``dims``, on the stream the call runs on."""
+    ``torch.distributed.ProcessGroup`` over ``dims``, on the stream the call runs on.
+    The workers keep its groups until :meth:`drop` (or the mesh's exit)."""
 
     def __init__(self, mesh: DeviceMesh, dims) -> None:
         if isinstance(dims, str):
@@ -185,23 +191,47 @@ class RemoteProcessGroup:
         self.mesh = mesh
         self.dims = normalize_dims(mesh.shape, dims)
         self.ref = mesh.client.new_ref()
+        self.dropped_at: str | None = None  # the user's line that dropped it
 
     def size(self) -> int:
         """Members of each group: ``mesh.size(dims)``."""
         return self.mesh.size(self.dims)
 
+    def drop(self) -> None:
+        """Free this group on every rank now: each worker destroys its torch ProcessGroups of
+        it (one per stream it was used on) after the calls already issued there, which is what
+        a long job making groups as it goes needs.  Using it afterwards is a UsageError;
+        dropping again, or after the mesh's exit, does nothing."""
+        if self.dropped_at is not None:
+            return
+        client = self.mesh.client
+        if client.sink is not client:
+            raise UsageError(f"drop {self!r} outside the compiled function: a drop is not part of a recording\n"
+                             f"  at {user_line()}")
+        self.dropped_at = user_line()
+        if not client.closed and client.failure is None:  # an exited or failed fleet has no groups left
+            client.send_setup(m.DropGroups(self.ref))
+
+    def _check_live(self) -> None:
+        if self.dropped_at is not None:
+            raise UsageError(f"{self!r} was dropped, at {self.dropped_at}; make a new one with mesh.process_group()\n"
+                             f"  at {user_line()}")
+
     def _tdmesh_wire(self):
+        self._check_live()
         return m.ProcessGroupArg(self.ref, self.mesh.shape, self.dims)
 
     def _tdmesh_groups(self, client, stream: int):
         """Before a call that takes this group runs on ``stream``: its groups exist there."""
+        self._check_live()
         if self.mesh.client is not client:
             raise TypeError(f"{self!r} belongs to another fleet than the mesh this call runs on")
         client.ensure_groups("remote", stream, self.mesh.shape, self.dims, self.ref)
         return self._tdmesh_wire()
 
     def __repr__(self) -> str:
-        return f"<tdmesh.RemoteProcessGroup {self.ref} over {list(self.dims)} of {self.mesh.shape}>"
+        state = " (dropped)" if self.dropped_at is not None else ""
+        return f"<tdmesh.RemoteProcessGroup {self.ref} over {list(self.dims)} of {self.mesh.shape}{state}>"
 
 
 class TorchMeshHandle:

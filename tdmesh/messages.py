@@ -127,6 +127,12 @@ class CreateGroups(NamedTuple):
     id: int = 0               # the client's number for this key; hot messages name groups by it
 
 
+class DropGroups(NamedTuple):
+    """Sent to every rank: destroy the process groups of the user-visible group ``ref``
+    (``RemoteProcessGroup.drop``), on each stream that has them, after the work queued there."""
+    ref: int
+
+
 MAX_COMMANDS_PER_CHUNK = 1000  # messages of one DefineRecording: a recording of many ops travels in chunks
 
 
@@ -309,8 +315,8 @@ class DependentError(NamedTuple):
 
 
 CLIENT_TO_WORKER = (CallFunction, DefineOp, CallOp, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups,
-                    DefineRecording, CallRecording, BorrowCreate, BorrowFirstUse, BorrowLastUse, BorrowDrop, DeleteRefs,
-                    RequestStatus, DebuggerInput, Supervise, Detach, Exit)
+                    DropGroups, DefineRecording, CallRecording, BorrowCreate, BorrowFirstUse, BorrowLastUse, BorrowDrop,
+                    DeleteRefs, RequestStatus, DebuggerInput, Supervise, Detach, Exit)
 WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status, DebuggerRead,
                     DebuggerDone, RelayHello, RanksLost)
 RELAY_CONTROL = (RelayConfig,)

@@ -17,6 +17,10 @@ A :class:`State` holds two remote ``uint8`` tensors: the CPU generator state
 ``[16]``).  On CPU-only workers the CUDA slot is a dummy ``zeros(16, uint8)`` that keeps the
 same shape (so the client's metadata is exact on every fleet) and ``set_state`` ignores.
 Both tensors live on the mesh's device, like every other tensor of the mesh.
+
+A State covers each worker's own GPU.  The ``cuda_*_all_remote`` functions are torch's
+``torch.cuda.*_all`` for every CUDA device a worker sees; their state is one
+``uint8 [devices, 16]`` tensor, which has no rows on CPU workers (torch's ``[]``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from ._context import get_active_mesh
+from .errors import user_line
 from .remote import remote
 from .tensor import Tensor
 from .wire import to_wire
@@ -33,6 +38,7 @@ from .wire import to_wire
 __all__ = [
     "State", "get_state", "set_state", "new_state", "make_deterministic", "set_manual_seed_remote",
     "get_rng_state_remote", "set_rng_state_remote", "seed_remote", "random_seed_remote",
+    "cuda_manual_seed_all_remote", "cuda_get_rng_state_all_remote", "cuda_set_rng_state_all_remote",
 ]
 
 _OPS = "tdmesh.worker.random_ops."
@@ -71,6 +77,10 @@ _make_deterministic = remote(_OPS + "make_deterministic", propagate="inspect")
 _get_rng_state = remote(_OPS + "get_rng_state", propagate=_cpu_state_meta)
 _set_rng_state = remote(_OPS + "set_rng_state", propagate="inspect")
 _seed = remote(_OPS + "seed", propagate="inspect")
+_cuda_manual_seed_all = remote(_OPS + "cuda_manual_seed_all", propagate="inspect")
+# [devices, 16]: how many CUDA devices a worker has is learnt once, from the mesh's first rank
+_cuda_get_rng_state_all = remote(_OPS + "cuda_get_rng_state_all", propagate="cached")
+_cuda_set_rng_state_all = remote(_OPS + "cuda_set_rng_state_all", propagate="inspect")
 
 
 def _mesh_device(mesh) -> torch.device:
@@ -140,3 +150,28 @@ def random_seed_remote() -> None:
     """``torch.random.seed()`` on every worker: the same function as :func:`seed_remote` under
     its other torch name, kept for Monarch's API."""
     _seed()
+
+
+def cuda_manual_seed_all_remote(seed) -> None:
+    """``torch.cuda.manual_seed_all(seed)`` on every worker of the active mesh: the generators
+    of every CUDA device each worker sees (``seed`` an int, or a remote scalar for one seed
+    per rank); the CPU generator is left alone.  As in torch it is a no-op where CUDA is
+    absent: on CPU workers nothing changes."""
+    _cuda_manual_seed_all(seed)
+
+
+def cuda_get_rng_state_all_remote() -> Tensor:
+    """``torch.cuda.get_rng_state_all()`` of every worker of the active mesh, as one remote
+    ``uint8 [devices, 16]`` tensor (row ``i``: ``cuda:i``'s state) to give back to
+    :func:`cuda_set_rng_state_all_remote`.  On CPU workers it has no rows, as torch's ``[]``."""
+    return _cuda_get_rng_state_all(_mesh_device(get_active_mesh()))
+
+
+def cuda_set_rng_state_all_remote(states: Tensor) -> None:
+    """``torch.cuda.set_rng_state_all`` on every worker of ``states``' mesh, from a
+    :func:`cuda_get_rng_state_all_remote` tensor: the CUDA draws that followed it come again."""
+    if type(states) is not Tensor or states.dim() != 2 or states.shape[1] != CUDA_STATE_BYTES:
+        got = list(states.shape) if type(states) is Tensor else type(states).__name__
+        raise TypeError(f"cuda_set_rng_state_all_remote needs the remote uint8 [devices, {CUDA_STATE_BYTES}] tensor "
+                        f"of cuda_get_rng_state_all_remote, got {got}\n  at {user_line()}")
+    _cuda_set_rng_state_all(states, _mesh_device(states.mesh))

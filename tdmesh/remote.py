@@ -88,6 +88,17 @@ class Remote:
         flat, _ = tree_flatten((args, kwargs))
         return send_value(mesh_of(flat), self._target, args, kwargs, None)
 
+    def call_one(self, *args, **kwargs) -> Future:
+        """Run on the one rank of a 1-rank mesh and fetch its (picklable) return value: a
+        Future of the plain value, not a ValueMesh (as ``call`` on that mesh, unwrapped)."""
+        flat, _ = tree_flatten((args, kwargs))
+        mesh = mesh_of(flat)
+        if len(mesh.rank_list) != 1:
+            raise ValueError(f"call_one runs on a mesh of 1 rank; this one has {len(mesh.rank_list)} "
+                             f"({mesh.shape}): use .call() for a value per rank, or slice the mesh to one rank\n"
+                             f"  at {user_line()}")
+        return send_value(mesh, self._target, args, kwargs, mesh.processes.offset)
+
 
 def remote(fn=None, *, propagate=None):
     """``remote(fn_or_path, propagate=...)`` or the decorators ``@remote`` / ``@remote(propagate=...)``."""

@@ -27,6 +27,13 @@ def live_refs() -> int:
     return len(Interpreter.current.env) if Interpreter.current is not None else 0
 
 
+def live_process_groups() -> int:
+    """How many process groups this worker's session holds (the world's aside): what a check
+    that ``RemoteProcessGroup.drop`` freed them watches."""
+    from .interpreter import Interpreter
+    return Interpreter.current.groups.live() if Interpreter.current is not None else 0
+
+
 
 def probe(target, args, kwargs):
     """Run ``target`` once for real and describe its outputs: the client's cached propagation.

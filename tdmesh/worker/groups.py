@@ -16,6 +16,12 @@ key makes its first ``reduce`` + fetch 4-12 ms slower than the second.
 Keys: one group set per (stream, mesh, dims), so collectives on different streams never
 queue behind each other on one communicator; one per (ref, stream) for the groups users
 get from ``mesh.process_group``; one all-ranks group per (from stream, to stream) for P2P.
+
+Lifetime: every group lives for the worker's session (``Detach``/``Exit`` destroy the world,
+and with it every group), except a user's group, which ``RemoteProcessGroup.drop`` ends
+early: each stream destroys its own group of that ref once the work queued before the drop
+has run there (``destroy_process_group`` is local to this rank; every rank drops, so every
+rank's group history stays the same).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ class Groups:
         self.world_size = world_size
         self._groups: dict = {}
         self._by_id: dict = {}     # CreateGroups.id -> this rank's group, for hot messages
+        self._ids: dict = {}       # key -> its CreateGroups.id
+        self._dropped: set = set()  # keys of user groups that RemoteProcessGroup.drop destroyed
         self.created = 0
 
     @staticmethod
@@ -63,6 +71,7 @@ class Groups:
                 mine = group
         self._groups[key] = mine  # None where this rank is outside the mesh
         self._by_id[msg.id] = mine
+        self._ids[key] = msg.id
         self.created += len(member_lists)
         log.debug("rank %d created %d groups for %s", self.rank, len(member_lists), key)
 
@@ -96,10 +105,31 @@ class Groups:
             self._groups[key] = found
         return found
 
+    def streams_of(self, ref: int) -> list[int]:
+        """The streams that have the groups of user group ``ref`` (those a drop must reach)."""
+        return [key[2] for key in list(self._groups) if key[0] == "remote" and key[1] == ref]
+
+    def drop(self, ref: int, stream: int) -> None:
+        """Destroy this rank's group of user group ``ref`` on ``stream`` (run on that stream,
+        after the work that used it) and forget the key; later lookups say it was dropped."""
+        key = ("remote", ref, stream)
+        group = self._groups.pop(key, None)
+        self._by_id.pop(self._ids.pop(key, None), None)
+        self._dropped.add(key)
+        if group is not None:
+            dist.destroy_process_group(group)
+        log.debug("rank %d dropped the process group of %s", self.rank, key)
+
+    def live(self) -> int:
+        """This rank's process groups (besides the world's) that are not destroyed."""
+        return sum(1 for group in self._groups.values() if isinstance(group, dist.ProcessGroup))
+
     def _lookup(self, key):
         try:
             group = self._groups[key]
         except KeyError:
+            if key in self._dropped:
+                raise RuntimeError(f"rank {self.rank}: process group {key} was dropped") from None
             raise RuntimeError(f"rank {self.rank} has no process group {key}: the client did not create it") from None
         if group is None:
             raise RuntimeError(f"rank {self.rank} is not a member of process group {key}")

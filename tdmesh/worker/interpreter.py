@@ -134,6 +134,10 @@ class Interpreter:
     def CreateGroups(self, msg: m.CreateGroups) -> None:
         self.groups.create(msg)  # collective over every rank: here, in message order
 
+    def DropGroups(self, msg: m.DropGroups) -> None:
+        for stream_id in self.groups.streams_of(msg.ref):  # each after the work queued there, which may use it
+            self.stream(stream_id).submit(lambda ref, stream: self.groups.drop(ref, stream.id), msg.ref)
+
     def DefineRecording(self, msg: m.DefineRecording) -> None:
         try:
             self.recordings.define(msg)

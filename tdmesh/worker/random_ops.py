@@ -89,3 +89,34 @@ def set_rng_state(state: torch.Tensor) -> None:
 def seed() -> None:
     """``torch.seed()``: a non-deterministic seed (its uint64 value is not returned)."""
     torch.seed()
+
+
+
+def cuda_manual_seed_all(seed) -> None:
+    """``torch.cuda.manual_seed_all(seed)``: every CUDA device of this worker, not only its
+    own (torch queues it until CUDA initializes, so it is a no-op on a worker without CUDA)."""
+    torch.cuda.manual_seed_all(_as_int(seed))
+
+
+def _cuda_devices(device) -> int:
+    """The CUDA devices whose generators a worker on ``device`` owns: none on a CPU mesh's
+    worker (even where the host has GPUs: that worker never touches CUDA)."""
+    return torch.cuda.device_count() if _on_cuda(device) else 0
+
+
+def cuda_get_rng_state_all(device=None) -> torch.Tensor:
+    """``torch.cuda.get_rng_state_all()`` stacked into one ``uint8 [devices, 16]`` tensor on
+    ``device``: row ``i`` is ``cuda:i``'s state; no rows on a CPU worker (torch's ``[]``)."""
+    if _cuda_devices(device) == 0:
+        return torch.empty(0, CUDA_STATE_BYTES, dtype=torch.uint8)
+    return torch.stack(torch.cuda.get_rng_state_all()).to(device)
+
+
+def cuda_set_rng_state_all(states: torch.Tensor, device=None) -> None:
+    """``torch.cuda.set_rng_state_all`` from a :func:`cuda_get_rng_state_all` tensor, which must
+    have one row per CUDA device of this worker (none on a CPU worker: then nothing changes)."""
+    devices = _cuda_devices(device)
+    if tuple(states.shape) != (devices, CUDA_STATE_BYTES):
+        raise ValueError(f"the CUDA generator states of this worker are uint8 [{devices}, {CUDA_STATE_BYTES}] "
+                         f"({devices} CUDA devices), got {list(states.shape)}")
+    torch.cuda.set_rng_state_all(list(states.detach().cpu()))

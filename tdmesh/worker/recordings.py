@@ -64,8 +64,8 @@ class Recordings:
             raise RecordingError(f"recording {msg.recording}: expected chunk {current.next_index} of "
                                  f"{current.total}, got {msg.chunk} of {msg.total}")
         for command in msg.commands:
-            if type(command) in (m.SendValue, m.RequestStatus, m.CreateGroups, m.DefineOp, m.DefineRecording,
-                                 m.CallRecording):
+            if type(command) in (m.SendValue, m.RequestStatus, m.CreateGroups, m.DropGroups, m.DefineOp,
+                                 m.DefineRecording, m.CallRecording):
                 raise RecordingError(f"{type(command).__name__} is not allowed inside a recording")
         current.commands.extend(msg.commands)
         current.next_index += 1

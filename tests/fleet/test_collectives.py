@@ -721,6 +721,42 @@ def test_sub_mesh_process_groups_are_distinct(cmesh):
     assert torch.equal(got[1], torch.full((2,), float(max(ranks) + 1)))
 
 
+
+def test_a_dropped_process_group_is_freed_on_every_rank_and_refused_after(cmesh):
+    d = group_dim(cmesh, "gpu")
+    live = remote("tdmesh.worker.builtins.live_process_groups")
+    all_reduce = remote(pg_all_reduce, propagate=_like)
+    side = tdmesh.Stream("drop_side")
+    pg = cmesh.process_group(d)
+
+    def live_per_rank() -> dict:
+        return {(point["host"], point["gpu"]): n for point, n in live.call().result()}
+
+    with cmesh.activate():
+        before = live_per_rank()
+        v = torch.ones(3) * (cmesh.process_idx() + 3)
+        summed = all_reduce(v, pg)
+        with side.activate():
+            w = torch.ones(3) * (cmesh.process_idx() + 3)
+            summed_on_side = all_reduce(w, pg, "max")
+        used = live_per_rank()
+        pg.drop()  # right after the calls: they still run on the groups, which go after them
+        got = fetch_every(summed, cmesh)
+        with side.activate():
+            got_on_side = fetch_every(summed_on_side, cmesh)
+        after = live_per_rank()
+        with pytest.raises(tdmesh.TdmeshError, match=r"\(dropped\)> was dropped, at .*test_collectives.py.*\n.*"
+                                                     r"at .*test_collectives.py"):
+            all_reduce(v, pg)
+        pg.drop()  # a second drop does nothing
+        assert "(dropped)" in repr(pg)
+    assert {p: n - before[p] for p, n in used.items()} == {p: 2 for p in used}  # one group per stream it ran on
+    assert after == before
+    for h, g in coords(cmesh):
+        group = members(cmesh, d, h, g)
+        assert torch.equal(got[h, g], torch.full((3,), _plus3(cmesh, group)))
+        assert torch.equal(got_on_side[h, g], torch.full((3,), max(rank_of(cmesh, *c) + 3 for c in group)))
+
 def test_collectives_inside_remote_functions(cmesh):
     """barrier, all_gather, all_gather_into_tensor, reduce_scatter_tensor, all_reduce
     (sum/avg/product/max/min), broadcast, all_to_all_single over a mesh process group."""

@@ -328,6 +328,31 @@ def test_activation_nests_and_takes_effect_on_call(mesh2x2):
         tdmesh.get_active_mesh()
 
 
+
+def test_deactivate_ends_a_plain_activate_and_refuses_a_mesh_that_is_not_active(mesh2x2):
+    host1 = mesh2x2.slice(host=1)
+    with pytest.raises(RuntimeError, match=r"is not the active mesh \(no mesh is active\)"):
+        mesh2x2.deactivate()
+    mesh2x2.activate()
+    host1.activate()
+    try:
+        assert type(torch.ones(1)) is tdmesh.Tensor
+        with pytest.raises(tdmesh.TdmeshError, match=r"\(the active mesh is <DeviceMesh \{gpu=2\} ranks 2..3>\)"):
+            mesh2x2.deactivate()
+        host1.deactivate()
+        assert tdmesh.get_active_mesh() is mesh2x2
+    finally:
+        mesh2x2.deactivate()
+    assert type(torch.ones(1)) is torch.Tensor  # the dispatch mode is gone with the last activation
+    with pytest.raises(ValueError, match="no device mesh is active"):
+        tdmesh.get_active_mesh()
+    with mesh2x2.activate():
+        mesh2x2.deactivate()  # inside a with: its exit then has nothing left to end
+        with pytest.raises(ValueError, match="no device mesh is active"):
+            tdmesh.get_active_mesh()
+    with pytest.raises(ValueError, match="no device mesh is active"):
+        tdmesh.get_active_mesh()
+
 # ----------------------------------------------------------------------------- lifecycle
 def test_unobserved_error_is_raised_when_the_mesh_exits():
     bogus = remote(bogus_matmul, propagate=lambda x, y: torch.empty(3, 3))

@@ -2,9 +2,11 @@
 takes them (fresh process groups, no refs, torch's state reset), other shapes and failed
 fleets do not, and parked workers leave on timeout, on clear() and with the client."""
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -49,6 +51,38 @@ def set_state():
 
 def read_state():
     return torch.tensor([float(torch.initial_seed()), float(torch.get_default_dtype() == torch.float32)])
+
+
+def worker_prints(text):
+    print(text, flush=True)
+
+
+def test_worker_output_goes_to_files_and_only_the_same_logging_setup_reuses_warm_workers(capfd):
+    FILE, DEFAULT = tdmesh.LoggingLocation.FILE, tdmesh.LoggingLocation.DEFAULT
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, logging=FILE) as mesh, mesh.activate():
+        to_files = _pids(mesh)
+        remote(worker_prints, propagate="inspect")("hello from a worker")
+        inspect(torch.zeros(1))  # the print has run
+    where = re.search(r"worker logs: (\S+)", capfd.readouterr().err)[1]
+    assert where.startswith(os.path.join(tempfile.gettempdir(), "tdmesh_logs_"))
+    stdout_logs = [os.path.join(d, f) for d, _, fs in os.walk(where) for f in fs if f == "stdout.log"]
+    assert len(stdout_logs) == 1 and "hello from a worker" in open(stdout_logs[0]).read()
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, logging=DEFAULT) as mesh:
+        assert not set(_pids(mesh)) & set(to_files)  # workers writing to files cannot serve the terminal
+    assert "worker logs: this terminal" in capfd.readouterr().err
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, logging=FILE) as mesh:
+        assert _pids(mesh) == to_files  # the same setup takes them, with the files they write to
+    err = capfd.readouterr().err
+    assert "from the warm pool" in err and f"worker logs: {where}" in err
+
+
+def test_logging_arguments_that_contradict_are_refused():
+    with pytest.raises(ValueError, match="log_dir='/tmp/unused' would not be used"):
+        with tdmesh.local_mesh(logging=tdmesh.LoggingLocation.DEFAULT, log_dir="/tmp/unused"):
+            pass
+    with pytest.raises(TypeError, match="logging must be a tdmesh.LoggingLocation"):
+        with tdmesh.local_mesh(logging="file"):
+            pass
 
 
 def test_the_next_mesh_of_the_same_shape_reuses_the_workers_with_a_fresh_state():

@@ -135,6 +135,29 @@ def test_misuse_is_reported_on_the_client(mesh1):
         trandom.new_state(4)
 
 
+
+def test_cuda_generators_of_cpu_workers_are_torchs_empty_list_and_no_ops(mesh2x2):
+    with mesh2x2.activate():
+        trandom.set_manual_seed_remote(21)
+        trandom.cuda_manual_seed_all_remote(99)  # queued by torch until CUDA exists: the CPU stream is untouched
+        after_cuda_seed = torch.rand(3)
+        states = trandom.cuda_get_rng_state_all_remote()
+        trandom.cuda_set_rng_state_all_remote(states)
+        fetched = fetch_shard((states, after_cuda_seed), host=1, gpu=1).result()
+    assert states.shape == (0, 16) and states.dtype == torch.uint8
+    assert fetched[0].shape == (0, 16)
+    assert torch.equal(fetched[1], local_rand(21, 3))
+
+
+def test_cuda_rng_state_misuse_is_reported(mesh1):
+    with mesh1.activate():
+        with pytest.raises(TypeError, match=r"uint8 \[devices, 16\].*got \[16\]"):
+            trandom.cuda_set_rng_state_all_remote(trandom.get_state().cuda)
+        wrong_rows = torch.zeros(3, 16, dtype=torch.uint8)
+        trandom.cuda_set_rng_state_all_remote(wrong_rows)
+        with pytest.raises(tdmesh.RemoteException, match=r"0 CUDA devices\), got \[3, 16\]"):
+            inspect(wrong_rows)
+
 def test_make_deterministic_on_a_fresh_worker():
     # worker-global and permanent: its own fleet, not the shared session fixtures
     enabled = tdmesh.remote("torch.are_deterministic_algorithms_enabled")

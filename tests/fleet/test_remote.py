@@ -268,3 +268,33 @@ def test_call_on_a_sub_mesh(mesh2x2):
         vm = remote(coords).call(host1.rank("gpu"), host1.process_idx()).result()
     assert len(vm) == 2
     assert {point["gpu"]: value for point, value in vm} == {0: (0, 2), 1: (1, 3)}
+
+
+# ----------------------------------------------------------------------------- .call_one: the one rank's value
+def test_call_one_returns_the_plain_value_of_a_one_rank_mesh(mesh2x2):
+    one = mesh2x2.slice(host=1, gpu=0)
+    with one.activate():
+        fut = remote(coords).call_one(one.process_idx(), 7)
+        assert isinstance(fut, tdmesh.Future)
+        assert fut.result() == (2, 7)
+
+
+def test_call_one_refuses_a_mesh_of_more_ranks(mesh2x2):
+    with mesh2x2.slice(host=0).activate(), pytest.raises(ValueError, match=r"mesh of 1 rank; this one has 2 \({gpu=2}"):
+        remote(coords).call_one(0, 1)
+
+
+# ----------------------------------------------------------------------------- as_completed
+def test_as_completed_yields_every_future_of_the_fleet_once(mesh2x2):
+    per_gpu = []
+    for g in range(2):
+        one = mesh2x2.slice(host=1, gpu=g)
+        with one.activate():
+            per_gpu.append(remote(coords).call_one(one.process_idx(), g))
+    with mesh2x2.activate():
+        shard = fetch_shard(torch.full((2,), 3.0), host=0, gpu=1)
+        futures = per_gpu + [shard, per_gpu[0]]
+        done = list(tdmesh.as_completed(futures, timeout=60))
+    assert len(done) == 3 and set(map(id, done)) == {id(f) for f in futures}
+    assert [f.result() for f in per_gpu] == [(2, 0), (3, 1)]
+    assert torch.equal(shard.result(), torch.full((2,), 3.0))

@@ -12,7 +12,7 @@ import pytest
 
 import tdmesh.future as future_mod
 from tdmesh.errors import RemoteException
-from tdmesh.future import Future
+from tdmesh.future import Future, as_completed
 
 T0 = 1000.0
 
@@ -229,3 +229,53 @@ def test_future_of_a_local_value_needs_no_client():
     fut = Future(None)
     fut._set_result({"a": 1})
     assert fut.done() and fut.result(timeout=0) == {"a": 1} and fut.exception() is None
+
+
+# ----------------------------------------------------------------- as_completed
+class OtherFleet(FakeClient):
+    """A second fleet's client, on the first one's virtual clock."""
+
+    def __init__(self, clock: FakeClient) -> None:
+        self._clock = clock
+        super().__init__()
+
+    now = property(lambda self: self._clock.now, lambda self, t: setattr(self._clock, "now", t))
+
+
+def test_as_completed_yields_in_finishing_order_each_once_blocking_on_the_client(client):
+    a, b, c, failed = Future(client), Future(client), Future(client), Future(client)
+    c._set_result("c")
+    client.at(T0 + 2, lambda: a._set_result("a"))
+    client.at(T0 + 1, lambda: b._set_result("b"))
+    client.at(T0 + 3, lambda: failed._set_exception(remote_error()))
+    order = list(as_completed([a, b, a, c, failed, b]))
+    assert order == [c, b, a, failed]
+    assert all(timeout is None for timeout in client.pumps)  # it waited on the replies, it never polled
+    assert client.now == pytest.approx(T0 + 3)
+
+
+def test_as_completed_times_out_with_some_pending_and_counts_from_the_call(client):
+    a, b = Future(client), Future(client)
+    client.at(T0 + 1, lambda: a._set_result(1))
+    client.at(T0 + 10, lambda: b._set_result(2))
+    found = as_completed([a, b], timeout=3)
+    client.now = T0 + 0.5  # time spent before the first next() counts
+    assert next(found) is a
+    with pytest.raises(TimeoutError, match=r"1 \(of 2\) futures were not done within 3 s"):
+        next(found)
+    assert client.now == pytest.approx(T0 + 3)
+    assert not b.done()
+
+
+def test_as_completed_waits_on_the_futures_of_several_fleets(client):
+    other = OtherFleet(client)
+    mine, theirs, later = Future(client), Future(other), Future(other)
+    client.at(T0 + 1.5, lambda: mine._set_result("mine"))
+    other.at(T0 + 0.5, lambda: theirs._set_result("theirs"))
+    other.at(T0 + 2.5, lambda: later._set_result("later"))
+    assert list(as_completed([later, mine, theirs], timeout=5)) == [theirs, mine, later]
+
+
+def test_as_completed_takes_only_futures(client):
+    with pytest.raises(TypeError, match="tdmesh Futures, got int"):
+        as_completed([Future(client), 3])

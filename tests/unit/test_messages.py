@@ -26,6 +26,7 @@ SAMPLES = {
     m.SendTensor: m.SendTensor(9, 21, Slice(offset=0, sizes=(2,), strides=(1,)),
                                Slice(offset=2, sizes=(2,), strides=(1,)), 4, ((3,), "int64"), 0, 1),
     m.CreateGroups: m.CreateGroups("remote", 1, HG, ("gpu",), 30, 2),
+    m.DropGroups: m.DropGroups(30),
     m.BorrowCreate: m.BorrowCreate(22, 1, 4, 0, 1),
     m.BorrowFirstUse: m.BorrowFirstUse(1),
     m.BorrowLastUse: m.BorrowLastUse(2),
@@ -67,6 +68,7 @@ FIELDS = {
     m.SendTensor: ("seq", "result", "from_ranks", "to_ranks", "tensor", "factory", "from_stream", "to_stream",
                    "zeros_on"),
     m.CreateGroups: ("kind", "stream", "mesh", "dims", "ref", "to_stream", "id"),
+    m.DropGroups: ("ref",),
     m.BorrowCreate: ("result", "borrow", "tensor", "from_stream", "to_stream"),
     m.BorrowFirstUse: ("borrow",),
     m.BorrowLastUse: ("borrow",),
@@ -117,9 +119,9 @@ DEFAULTS = {
 
 def test_direction_tables_are_exactly_the_documented_records():
     assert m.CLIENT_TO_WORKER == (m.CallFunction, m.DefineOp, m.CallOp, m.SendValue, m.Reduce, m.ReduceMany,
-                                  m.SendTensor, m.CreateGroups, m.DefineRecording, m.CallRecording, m.BorrowCreate,
-                                  m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs, m.RequestStatus,
-                                  m.DebuggerInput, m.Supervise, m.Detach, m.Exit)
+                                  m.SendTensor, m.CreateGroups, m.DropGroups, m.DefineRecording, m.CallRecording,
+                                  m.BorrowCreate, m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs,
+                                  m.RequestStatus, m.DebuggerInput, m.Supervise, m.Detach, m.Exit)
     assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.WorkerFailed,
                                   m.Status, m.DebuggerRead, m.DebuggerDone, m.RelayHello, m.RanksLost)
     assert m.RELAY_CONTROL == (m.RelayConfig,)

@@ -96,6 +96,7 @@ def test_chunks_must_agree_on_the_total():
     m.SendValue(0, (), None, (Ref(1),), {}),
     m.RequestStatus(0),
     m.CreateGroups("dims", 0),
+    m.DropGroups(3),
     define(9, ()),
     m.CallRecording(0, 9, (), ()),
 ], ids=lambda c: type(c).__name__)
