@@ -107,6 +107,8 @@ def test_a_failed_construction_fails_every_call_with_its_error(mesh2x2):
 
 def test_the_object_is_freed_when_its_handle_dies(mesh2x2):
     with mesh2x2.activate():
+        gc.collect()
+        values(LIVE_REFS.call())  # earlier tests' dead proxies: their frees go out with this call
         before = values(LIVE_REFS.call())
         h = mesh2x2.spawn(Counter, 1)
         assert values(LIVE_REFS.call()) == [n + 1 for n in before]
