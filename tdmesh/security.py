@@ -118,3 +118,4 @@ def warn_if_exposed(world_size: int, local_world_size: int) -> None:
                 "run any code on every worker%s. Set TDMESH_SECRET (or TDMESH_SECRET_FILE) on every rank; see "
                 "docs/SECURITY.md", where, "" if _tls_files() else
                 ", and read all of its traffic (set TDMESH_TLS_CERT, TDMESH_TLS_KEY and TDMESH_TLS_CA to encrypt it)")
+

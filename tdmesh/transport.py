@@ -120,7 +120,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
 def decode_restricted(payload, names: tuple[str, ...]) -> object:
     """The one message of a handshake frame, decoded safely, which must be one of ``names``."""
     stream = io.BytesIO(payload)
-    msg = _RestrictedUnpickler(stream, names + ("Hello",) if "RelayHello" in names else names).load()
+    inner = ("Hello",) if "RelayHello" in names and "Hello" not in names else ()  # a RelayHello holds Hellos
+    msg = _RestrictedUnpickler(stream, names + inner).load()
     if stream.tell() != len(payload):
         raise ProtocolError(f"{len(payload) - stream.tell()} bytes after the first message")
     if type(msg).__name__ not in names or type(msg).__module__ != m.__name__:
