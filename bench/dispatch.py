@@ -19,6 +19,8 @@ Sections (each timed section: one warm-up, then ``--repeats`` timed runs; best a
   (6) fetch RTT   ``fetch_shard(t).result()`` of a 10-element tensor vs. a raw
                   pickle-over-TCP echo with tdmesh's framing, to a second process
   (7) N workers   (2) on a mesh of N workers (every op goes to all N ranks)
+  --tls           instead: (2), (6) and (7) with plain sockets, then with every control-plane
+                  connection in TLS (TDMESH_TLS_*, a CA made by tdmesh.certs), same process
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def _parse(argv):
                    help="fetch round trips for (6) (default 500; 100 with --quick)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per section (default 3)")
     p.add_argument("--quick", action="store_true", help="small N for a CI smoke run")
+    p.add_argument("--tls", action="store_true", help="only the cost of TLS: (2), (6), (7) plain, then in TLS")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (default; forces CPU workers even where CUDA exists) or cuda")
     args = p.parse_args(argv)
@@ -201,6 +204,37 @@ def bench_fetch_rtt(mesh, fetches: int):
     return fetch_times, raw_times, bytes_times, len(blob)
 
 
+def bench_tls(n: int, reps: int, fetches: int, workers: int) -> None:
+    """(2), (6) and (7) with plain sockets, then with every connection in TLS: the price of encryption."""
+    import tempfile
+
+    import tdmesh
+    from tdmesh.certs import make_certificates
+    rows = {}
+    with tempfile.TemporaryDirectory() as certs:
+        for mode, env in (("plain", {}), ("TLS", make_certificates(certs))):
+            os.environ.update(env)
+            try:
+                with tdmesh.local_mesh(hosts=1, gpus_per_host=1, pool=False) as mesh:
+                    version = getattr(next(iter(mesh.client.conns.values())).sock, "version", lambda: "-")()
+                    times, _ = bench_dispatched(mesh, n, reps)
+                    fetch_times = bench_fetch_rtt(mesh, fetches)[0]
+                with tdmesh.local_mesh(hosts=1, gpus_per_host=workers, pool=False) as mesh:
+                    many, _ = bench_dispatched(mesh, n, reps)
+            finally:
+                for name in env:
+                    os.environ.pop(name)
+            rows[mode] = (n / min(times), statistics.median(fetch_times), n / min(many), version)
+    plain, tls = rows["plain"], rows["TLS"]
+    print(f"\n(8) the cost of TLS ({tls[3]}, certificates checked both ways), best of {reps}; fetch: median of "
+          f"{fetches}:")
+    h.print_table(["measure", "plain", "TLS", "TLS / plain"], [
+        ["(2) dispatched, 1 worker, ops/s", f"{plain[0]:,.0f}", f"{tls[0]:,.0f}", f"{tls[0] / plain[0]:.3f}x"],
+        ["(6) fetch round trip", h.fmt_us(plain[1]), h.fmt_us(tls[1]), f"{tls[1] / plain[1]:.2f}x"],
+        [f"(7) dispatched, {workers} workers (a relay), ops/s", f"{plain[2]:,.0f}", f"{tls[2]:,.0f}",
+         f"{tls[2] / plain[2]:.3f}x"]])
+
+
 def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     h.ensure_importable_by_workers()
@@ -219,6 +253,9 @@ def main(argv=None) -> int:
           f"{reps} timed runs per section after a warm-up; torch {torch.__version__}; {h.machine_line()}",
           flush=True)
 
+    if args.tls:
+        bench_tls(n, reps, args.fetches, max(2, args.workers))
+        return 0
     results: dict[str, list[float]] = {}
     # (1) before any mesh exists
     results["local"] = bench_local(n, reps, args.device)
