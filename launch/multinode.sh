@@ -13,6 +13,10 @@ else
   export TDMESH_DEVICE=cpu
 fi
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# Several hosts: share a secret (chmod 600; the same file on every node) so that the job token
+# is derived, never written into the c10d store; on a shared network add TDMESH_TLS_CERT,
+# TDMESH_TLS_KEY and TDMESH_TLS_CA (docs/SECURITY.md).  Without a secret rank 0 warns.
+if [ -n "${TDMESH_SECRET_FILE:-}" ]; then export TDMESH_SECRET_FILE; fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec python -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc_per_node "$NGPU" \
   --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-tdmesh}" \
