@@ -20,7 +20,7 @@ Sections (each timed section: one warm-up, then ``--repeats`` timed runs; best a
                   pickle-over-TCP echo with tdmesh's framing, to a second process
   (7) N workers   (2) on a mesh of N workers (every op goes to all N ranks)
   --tls           instead: (2), (6) and (7) with plain sockets, then with every control-plane
-                  connection in TLS (TDMESH_TLS_*, a CA made by tdmesh.certs), same process
+                  connection in TLS (TDMESH_TLS_CERT etc., a CA made by tdmesh.certs), same process
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ def test_tls_checks_certificates_on_both_sides(no_secret, monkeypatch, tmp_path)
     for name, value in job.items():
         monkeypatch.setenv(name, value)
     listener = Listener(TOKEN, tls=server_tls())
-    conn = connect("127.0.0.1", listener.port)  # TDMESH_TLS_* are set: a TLS connection
+    conn = connect("127.0.0.1", listener.port)  # TDMESH_TLS_CERT etc. are set: a TLS connection
     assert isinstance(conn.sock, ssl.SSLSocket) and conn.sock.version() in ("TLSv1.2", "TLSv1.3")
     join(conn, TOKEN, HELLO, "the TLS listener")
     assert listener.hellos[-1][1]
