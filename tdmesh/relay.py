@@ -27,7 +27,16 @@ from typing import Any
 from . import messages as m
 from .handshake import challenge, check_hello, join, welcome
 from .security import server_tls
-from .transport import MAGIC, RELAY_MAGIC, Connection, ProtocolError, connect, decode_hello, hello_ranks
+from .transport import (
+    DEFAULT_MAX_FRAME,
+    MAGIC,
+    RELAY_MAGIC,
+    Connection,
+    ProtocolError,
+    connect,
+    decode_hello,
+    hello_ranks,
+)
 
 log = logging.getLogger("tdmesh.relay")
 
@@ -116,6 +125,7 @@ class Relay:
                     raise ProtocolError("closed before saying hello")
                 hello = decode_hello(payload)
                 sock.settimeout(None)
+                conn.max_frame = DEFAULT_MAX_FRAME  # past the hello: a child's fetch results may be large
             except (OSError, ProtocolError, pickle.UnpicklingError) as e:
                 log.warning("host %d's relay refused a connection from %s: %s", self.host, peer, e)
                 Connection(sock).close()

@@ -68,6 +68,16 @@ def test_a_multi_host_mesh_talks_to_one_relay_per_host_and_a_frame_never_grows_w
         assert inspect(x, host=0, gpu=0).tolist() == [50.0, 51.0, 52.0, 53.0]
 
 
+def test_a_fetch_bigger_than_a_hello_frame_comes_back_through_a_relay():
+    """A relay reads a child's first frame with a small limit; everything after may be large."""
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh, mesh.activate():
+        assert mesh.client.relays
+        big = torch.ones(5 * 1024 * 1024) * mesh.rank("gpu")  # 20 MiB of float32 per rank
+        assert inspect(big.sum()).item() == 0.0
+        back = fetch_shard(big, host=0, gpu=1).result(timeout=120)
+        assert back.shape == (5 * 1024 * 1024,) and float(back.min()) == float(back.max()) == 1.0
+
+
 def test_relays_off_connects_every_rank_to_the_client(env):
     env("TDMESH_RELAYS", "0")
     with tdmesh.local_mesh(hosts=2, gpus_per_host=1) as mesh, mesh.activate():
