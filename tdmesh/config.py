@@ -45,6 +45,12 @@ VARIABLES = {
                               "127.0.0.1 when the name does not resolve)"),
     "TDMESH_POOL_IDLE": ("60", "seconds the workers of a finished local_mesh stay warm for the next local_mesh of the "
                                "same shape (0: no warm pool; local_mesh(pool=False) opts one mesh out)"),
+    "TDMESH_MAX_FRAME": (str(1 << 34), "bytes of the largest frame a peer may send once it has authenticated (a fetch "
+                                       "of a big tensor is one frame); a larger one ends that peer's session"),
+    "TDMESH_MAX_TEXT": (str(1 << 24), "characters of the longest string field of a message (an import path, a "
+                                      "traceback); a longer one ends the sender's session"),
+    "TDMESH_MAX_ITEMS": (str(1 << 22), "entries of the largest tuple or dict field of a message (refs, arguments); "
+                                       "a larger one ends the sender's session"),
     "TDMESH_TEST_MESH": ("2x2", "tests only: HOSTSxGPUS, the mesh of the collective and stream suites"),
 }
 
