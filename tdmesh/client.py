@@ -26,10 +26,11 @@ from . import _coalescing as coalescing
 from . import messages as m
 from .config import ControllerParams, SupervisionParams
 from .debugging import Debugger
-from .errors import DeviceException, ProtocolError, UsageError, call_site, frames, site_text
+from .errors import DeviceException, ProtocolError, ProtocolViolation, UsageError, call_site, frames, site_text
 from .future import Future
 from .history import History
 from .outbox import Outbox
+from .schema import worker_messages
 from .supervisor import FleetFailure, FleetInfo, Supervisor, WorkerLost
 from .transport import Connection, encode
 
@@ -278,8 +279,8 @@ class Client:
                 rank = key.data
                 error: BaseException | None = None
                 try:
-                    msgs = self.conns[rank].recv_messages()
-                except (OSError, ProtocolError) as e:
+                    msgs = worker_messages(self.conns[rank].recv_payload(), self.hellos)
+                except (OSError, ProtocolError, ProtocolViolation) as e:
                     msgs, error = None, e
                 if msgs is None:
                     sel.unregister(key.fileobj)

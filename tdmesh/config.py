@@ -52,6 +52,12 @@ VARIABLES = {
                             "certificates checked on both sides against the CA"),
     "TDMESH_TLS_KEY": ("", "the private key of TDMESH_TLS_CERT (PEM)"),
     "TDMESH_TLS_CA": ("", "the CA (PEM) that signs every certificate of the job"),
+    "TDMESH_MAX_FRAME": (str(1 << 34), "bytes of the largest frame a peer may send once it has authenticated (a fetch "
+                                       "of a big tensor is one frame); a larger one ends that peer's session"),
+    "TDMESH_MAX_TEXT": (str(1 << 24), "characters of the longest string field of a message (an import path, a "
+                                      "traceback); a longer one ends the sender's session"),
+    "TDMESH_MAX_ITEMS": (str(1 << 22), "entries of the largest tuple or dict field of a message (refs, arguments); "
+                                       "a larger one ends the sender's session"),
     "TDMESH_TEST_MESH": ("2x2", "tests only: HOSTSxGPUS, the mesh of the collective and stream suites"),
 }
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from . import messages as m
 from .handshake import challenge, check_hello, join, welcome
+from .schema import check_relay_control, check_worker_message
 from .security import server_tls
 from .transport import (
     DEFAULT_MAX_FRAME,
@@ -59,7 +60,8 @@ def _peek(payload) -> object:
     stream = io.BytesIO(payload)
     try:
         msg = _Upstream(stream).load()
-    except Exception:  # noqa: BLE001 - anything else travels on unopened
+        check_worker_message(msg)
+    except Exception:  # noqa: BLE001 - anything else travels on unopened (a malformed one: the client rejects it)
         return None
     return msg if stream.tell() == len(payload) else None
 
@@ -200,9 +202,13 @@ class Relay:
             return False
         magic, payload = frame
         if magic == RELAY_MAGIC:
-            config = pickle.loads(payload)
-            if type(config) is m.RelayConfig:
-                self.heartbeat_interval, self.heartbeat_timeout = config
+            try:
+                config = pickle.loads(payload)
+                check_relay_control(config)
+            except Exception as e:  # noqa: BLE001 - a broken control frame ends the relay's session
+                raise ProtocolError(f"host {self.host}'s relay got a broken control frame: "
+                                    f"{type(e).__name__}: {e}") from e
+            self.heartbeat_interval, self.heartbeat_timeout = config
             for child in self.children:
                 if child.relay and not child.lost:
                     self._send_child(child, lambda c: c.conn.send_control(config))

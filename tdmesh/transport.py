@@ -19,8 +19,10 @@ import struct
 from collections.abc import Iterable, Iterator
 
 from . import messages as m
+from .config import env_int
 from .errors import ProtocolError
 from .security import client_tls
+from .slice import Slice
 
 __all__ = ["MAGIC", "RELAY_MAGIC", "DEFAULT_MAX_FRAME", "Connection", "ProtocolError", "connect", "decode",
            "encode", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter", "decode_hello", "decode_restricted",
@@ -32,7 +34,7 @@ _HEADER = struct.Struct("!4sQ")
 ENTRY = struct.Struct("!II")  # rank set id, length of the pickle that follows
 ALL_RANKS = 0                 # the rank set every rank belongs to
 DEFINE_SET = 0xFFFFFFFF       # an entry that defines a rank set: pickle of (id, tuple of Slices)
-DEFAULT_MAX_FRAME = 1 << 34  # 16 GiB: a fetch of a big tensor is one frame
+DEFAULT_MAX_FRAME = env_int("TDMESH_MAX_FRAME")  # 16 GiB by default: a fetch of a big tensor is one frame
 
 
 def encode(msg) -> bytes:
@@ -86,6 +88,9 @@ class RankFilter:
                     raise ProtocolError(f"an entry of {n} bytes at byte {pos} overruns a {end}-byte frame")
                 if set_id == DEFINE_SET:
                     defined, slices = loads(view[pos:pos + n])
+                    if type(defined) is not int or type(slices) is not tuple or \
+                            not all(type(s) is Slice for s in slices):
+                        raise ProtocolError(f"a rank set definition at byte {pos} is not (int id, tuple of Slices)")
                     member[defined] = any(self.rank in s for s in slices)
                 elif member[set_id]:
                     out.append(loads(view[pos:pos + n]))

@@ -22,6 +22,7 @@ from ..fanout import relay_parents, subtree_hosts
 from ..handshake import join
 from ..relay import Relay
 from ..rendezvous import NEXT_JOB, SHUTDOWN, connect_store, job_scope, reachable_host, read_controller, store_address
+from ..schema import check_client_message, record_name
 from ..transport import ProtocolError, RankFilter, connect
 from . import builtins
 from .interpreter import Interpreter
@@ -247,15 +248,30 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
             msgs = None if payload is None else mine.messages(payload)
             if isinstance(interp.fatal, DeviceBroken):
                 break
+            if interp.fatal is not None:  # a stream stopped on a broken message and woke this loop
+                raise interp.fatal
             if msgs is None:
                 log.error("rank %d: the client closed the connection without Exit; leaving", rank)
                 return env_int("TDMESH_PEER_ERROR_EXIT_CODE"), False, False
             for msg in msgs:
-                interp.handle(msg)
+                check_client_message(msg)
+                try:
+                    interp.handle(msg)
+                except ProtocolViolation:
+                    raise
+                except Exception as e:  # a well-formed message that its handler still cannot carry out
+                    raise ProtocolViolation(f"the client sent a {record_name(msg)} that could not be handled: "
+                                            f"{type(e).__name__}: {e}") from e
             if interp.fatal is not None and not isinstance(interp.fatal, DeviceBroken):
                 raise interp.fatal
-    except (ProtocolError, ProtocolViolation, ConnectionError) as e:
-        log.error("rank %d: %s", rank, e)
+    except (ProtocolError, ProtocolViolation) as e:  # ProtocolError first: it is a ConnectionError too
+        log.error("rank %d: leaving: the session broke the protocol: %s", rank, e)
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
+    except ConnectionError as e:
+        log.error("rank %d: leaving: the connection to the client failed: %s", rank, e)
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
+    except Exception as e:  # noqa: BLE001 - a stream stopped on an error of its own: the same end
+        log.error("rank %d: leaving: a stream stopped on %s: %s", rank, type(e).__name__, e)
         return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
     finally:
         conn.close()

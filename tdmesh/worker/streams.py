@@ -52,11 +52,11 @@ class Stream:
         get = self._queue.get
         while True:
             item = get()
-            if item is None:
-                return
-            self._run(item[0], item[1], raise_errors=False)
+            if item is None or not self._run(item[0], item[1], raise_errors=False):
+                return  # closed, or stopped: nothing queued after a broken message runs
 
-    def _run(self, fn, msg, raise_errors: bool) -> None:
+    def _run(self, fn, msg, raise_errors: bool) -> bool:
+        """Run one item; False when it raised the error that ends the worker."""
         try:
             fn(msg, self)
         except BaseException as e:  # noqa: BLE001 - an infrastructure error ends the worker
@@ -64,6 +64,8 @@ class Stream:
                 raise
             log.error("stream %d stopped on %s: %s", self.id, type(e).__name__, e)
             self._on_fatal(e)
+            return False
+        return True
 
     def close(self) -> None:
         """Finish the queued work and stop the thread."""

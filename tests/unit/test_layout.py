@@ -10,11 +10,12 @@ import os
 from paths import REPO
 
 ROOT = os.path.join(REPO, "tdmesh")
-# What a worker may import from tdmesh besides its own package: protocol, value codecs, transport, its
-# handshake and secrets (and the host relay it runs), configuration, rendezvous, geometry and the error types.
-WORKER_MAY_IMPORT = {"tdmesh.messages", "tdmesh.codec", "tdmesh.transport", "tdmesh.security", "tdmesh.handshake",
-                     "tdmesh.relay", "tdmesh.fanout", "tdmesh.config", "tdmesh.rendezvous", "tdmesh.grouping",
-                     "tdmesh.slice", "tdmesh.shape", "tdmesh.errors"}
+# What a worker may import from tdmesh besides its own package: protocol (and its schema), value codecs,
+# transport, its handshake and secrets (and the host relay it runs), configuration, rendezvous, geometry and
+# the error types.
+WORKER_MAY_IMPORT = {"tdmesh.messages", "tdmesh.schema", "tdmesh.codec", "tdmesh.transport", "tdmesh.security",
+                     "tdmesh.handshake", "tdmesh.relay", "tdmesh.fanout", "tdmesh.config", "tdmesh.rendezvous",
+                     "tdmesh.grouping", "tdmesh.slice", "tdmesh.shape", "tdmesh.errors"}
 MAX_LINES = 400
 
 
