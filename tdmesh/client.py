@@ -30,7 +30,7 @@ from .errors import DeviceException, ProtocolError, ProtocolViolation, UsageErro
 from .future import Future
 from .history import History
 from .outbox import Outbox
-from .schema import worker_messages
+from .schema import received_messages
 from .supervisor import FleetFailure, FleetInfo, Supervisor, WorkerLost
 from .transport import Connection, encode
 
@@ -279,7 +279,7 @@ class Client:
                 rank = key.data
                 error: BaseException | None = None
                 try:
-                    msgs = worker_messages(self.conns[rank].recv_payload(), self.hellos)
+                    msgs = received_messages(self.conns[rank], self.hellos)
                 except (OSError, ProtocolError, ProtocolViolation) as e:
                     msgs, error = None, e
                 if msgs is None:

@@ -27,7 +27,8 @@ from .slice import Slice
 from .transport import decode
 
 __all__ = ["Kind", "CLIENT_SCHEMA", "WORKER_SCHEMA", "RELAY_SCHEMA", "MAX_TEXT", "MAX_ITEMS", "check_client_message",
-           "check_worker_message", "check_relay_control", "worker_messages", "record_name"]
+           "check_worker_message", "check_relay_control", "worker_messages", "received_messages",
+           "record_name"]
 
 MAX_TEXT = env_int("TDMESH_MAX_TEXT")    # characters of one string field (an import path, a traceback)
 MAX_ITEMS = env_int("TDMESH_MAX_ITEMS")  # entries of one tuple or dict field (refs, arguments, commands)
@@ -254,4 +255,16 @@ def worker_messages(payload, ranks: Container[int]) -> list | None:
     msgs = list(decode(payload))
     for msg in msgs:
         check_worker_message(msg, ranks)
+    return msgs
+
+
+def received_messages(conn, ranks: Container[int]) -> list | None:
+    """The checked messages of ``conn``'s next frame and of every later frame TLS has already
+    read in, which no selector reports (None for a closed connection)."""
+    msgs = worker_messages(conn.recv_payload(), ranks)
+    while msgs is not None and conn.pending():
+        more = worker_messages(conn.recv_payload(), ranks)
+        if more is None:
+            break
+        msgs.extend(more)
     return msgs

@@ -248,3 +248,34 @@ def test_tls_checks_certificates_on_both_sides(no_secret, monkeypatch, tmp_path)
         join(connect("127.0.0.1", listener.port), TOKEN, HELLO, "the TLS listener")
     assert len(listener.hellos) == 1  # neither got as far as a hello
     listener.close()
+
+
+def test_frames_that_tls_has_already_read_in_are_not_left_behind(no_secret, monkeypatch, tmp_path):
+    """Two frames in one TLS record: reading the first decrypts the second into TLS's buffer,
+    where no selector sees it; the readers take it in the same call."""
+    import selectors
+    import struct
+
+    from tdmesh.schema import received_messages
+    from tdmesh.transport import MAGIC
+    for name, value in make_certificates(str(tmp_path / "tls")).items():
+        monkeypatch.setenv(name, value)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    frames = b"".join(struct.pack("!4sQ", MAGIC, len(p)) + p for p in (encode(m.Heartbeat(1)), encode(m.Status(1, 5))))
+
+    def serve() -> None:
+        sock = server_tls().wrap_socket(listener.accept()[0], server_side=True)
+        sock.sendall(frames)  # one write: one TLS record holding both frames
+        sock.recv(1)  # until the reader is done
+
+    threading.Thread(target=serve, daemon=True).start()
+    conn = connect("127.0.0.1", listener.getsockname()[1])
+    sel = selectors.DefaultSelector()
+    sel.register(conn.sock, selectors.EVENT_READ)
+    assert sel.select(timeout=10)
+    assert received_messages(conn, range(4)) == [m.Heartbeat(1), m.Status(1, 5)]
+    assert conn.pending() == 0
+    conn.close()
+    listener.close()
