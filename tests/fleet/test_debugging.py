@@ -92,6 +92,17 @@ def test_a_rank_in_pdb_is_not_a_stuck_op():
     assert b"results [14, 34]" in seen + out
 
 
+def test_a_rank_stepping_over_slow_code_in_pdb_is_not_a_stuck_op():
+    """`n` over a 3 s sleep: the user's thread waits (the client's lock is free, the supervisor
+    checks) while the rank's op is 3 times the operation timeout late; it is in pdb, not stuck."""
+    stuck_fails = env(TDMESH_OPERATION_TIMEOUT="1", TDMESH_FAIL_ON_OPERATION_TIMEOUT="1",
+                      TDMESH_PROGRESS_CHECK_INTERVAL="0.2")
+    proc = subprocess.run([sys.executable, SCRIPT, "local", "slow"], input="n\nc\n", capture_output=True,
+                          text=True, timeout=180, env=stuck_fails)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "slow 1" in proc.stdout and "-> return int(value)" in proc.stdout
+
+
 def fail_here(x):
     raise ValueError("a failure for the log")
 

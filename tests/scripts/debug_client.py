@@ -1,10 +1,12 @@
 """A client script for the debugging tests: remote functions that stop at breakpoint().
 
 argv[1]: "local" (a local_mesh of 2 CPU workers) or "torchrun" (tdmesh.world_mesh());
-argv[2]: "both" (every rank stops; the results are fetched) or "quit" (rank 1 stops, the
-user quits pdb, and the script goes on with the same workers).
+argv[2]: "both" (every rank stops; the results are fetched), "quit" (rank 1 stops, the
+user quits pdb, and the script goes on with the same workers) or "slow" (rank 1 stops before
+a 3 s sleep, which the user steps over).
 """
 import sys
+import time
 
 import tdmesh
 
@@ -16,6 +18,12 @@ def stop_here(value):
     return y
 
 
+def stop_before_a_sleep(value):
+    breakpoint()
+    time.sleep(3)
+    return int(value)
+
+
 def plain(value):
     return int(value) + 100
 
@@ -23,7 +31,10 @@ def plain(value):
 def run(mesh, mode):
     with mesh.activate():
         ranks = mesh.process_idx()
-        if mode == "both":
+        if mode == "slow":
+            slow = tdmesh.remote(stop_before_a_sleep)
+            print("slow", tdmesh.call_on_shard_and_fetch(slow, ranks, shard={"host": 0, "gpu": 1}).result(), flush=True)
+        elif mode == "both":
             results = tdmesh.remote(stop_here).call(ranks).result()
             print("results", [v for _, v in results], flush=True)
         else:
