@@ -8,6 +8,7 @@ a frame can be put on one worker's connection alone."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import socket
@@ -31,6 +32,17 @@ def one_connection_per_worker(monkeypatch):
 
 def fleet(log_dir):
     return tdmesh.local_mesh(hosts=1, gpus_per_host=2, pool=False, supervision=FAST, log_dir=str(log_dir))
+
+
+@contextlib.contextmanager
+def working_fleet(log_dir):
+    """A fleet whose workers have run an op: (mesh, worker pids, that op's tensor), inside its activation."""
+    with fleet(log_dir) as mesh:
+        pids = worker_pids(mesh)
+        with mesh.activate():
+            x = torch.ones(2) + 1
+            assert inspect(x, host=0, gpu=1).tolist() == [2.0, 2.0]
+            yield mesh, pids, x
 
 
 def logged(log_dir, text: str) -> list[str]:
@@ -73,19 +85,15 @@ def slowly(x):
 ], ids=["wrong-field-type", "wrong-direction", "bare-tuple", "corrupt-pickle", "wrong-entry-length",
         "undefined-rank-set", "unhandled"])
 def test_a_bad_frame_ends_that_workers_session_and_fails_the_fleet(tmp_path, payload, problem):
-    with fleet(tmp_path) as mesh:
-        pids = worker_pids(mesh)
+    with working_fleet(tmp_path) as (mesh, pids, x):
         client = mesh.client
-        with mesh.activate():
-            x = torch.ones(2) + 1
-            assert inspect(x, host=0, gpu=1).tolist() == [2.0, 2.0]
-            y = remote(slowly, propagate=lambda x: x)(x)
-            pending = [fetch_shard(y, host=0, gpu=1), fetch_shard(y * 3, host=0, gpu=0)]
-            with client.lock:
-                client.flush()
-                client.conns[1].send_payload(payload)  # on rank 1's connection only
-            errors = [failure_of(lambda f=f: f) for f in pending]
-            errors.append(failure_of(lambda: fetch_shard(x + 1)))
+        y = remote(slowly, propagate=lambda x: x)(x)
+        pending = [fetch_shard(y, host=0, gpu=1), fetch_shard(y * 3, host=0, gpu=0)]
+        with client.lock:
+            client.flush()
+            client.conns[1].send_payload(payload)  # on rank 1's connection only
+        errors = [failure_of(lambda f=f: f) for f in pending]
+        errors.append(failure_of(lambda: fetch_shard(x + 1)))
     assert all(f"worker rank 1 (host {HOST}, pid {pids[1]}" in text for text in errors), errors
     assert logged(tmp_path, f"rank 1: leaving: the session broke the protocol: {problem}"), problem
     assert_no_worker_left(pids)
@@ -94,16 +102,12 @@ def test_a_bad_frame_ends_that_workers_session_and_fails_the_fleet(tmp_path, pay
 def test_a_bad_message_met_on_a_stream_thread_ends_the_worker_too(tmp_path):
     """A CallOp naming an op never defined passes the schema; its stream finds out, stops, and
     wakes the message loop, which leaves (it does not wait for a next frame that never comes)."""
-    with fleet(tmp_path) as mesh:
-        pids = worker_pids(mesh)
+    with working_fleet(tmp_path) as (mesh, pids, x):
         client = mesh.client
-        with mesh.activate():
-            x = torch.ones(2) + 1
-            assert inspect(x, host=0, gpu=1).tolist() == [2.0, 2.0]
-            with client.lock:
-                client.flush()
-                client.conns[1].send_payload(entries([(50, 999, (70,), (), (), 0)]))
-            text = failure_of(lambda: fetch_shard(x * 2, host=0, gpu=1))
+        with client.lock:
+            client.flush()
+            client.conns[1].send_payload(entries([(50, 999, (70,), (), (), 0)]))
+        text = failure_of(lambda: fetch_shard(x * 2, host=0, gpu=1))
     assert f"worker rank 1 (host {HOST}, pid {pids[1]}" in text, text
     assert logged(tmp_path, "rank 1: leaving: the session broke the protocol: op 999 is not defined on worker 1")
     assert_no_worker_left(pids)
