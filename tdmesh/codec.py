@@ -1,5 +1,6 @@
-"""Value encodings both sides share: a dense CPU tensor as raw bytes (``PackedTensor``) and
-the metadata a worker reports of a tensor whose shape only its data decides.
+"""Value encodings both sides share: a dense CPU tensor as raw bytes (``PackedTensor``), the
+metadata a worker reports of a tensor whose shape only its data decides, and a callable
+pickled by value with the file its code came from.
 
 Kept apart from :mod:`tdmesh.messages` (the protocol's records) so that file stays the list
 of what travels; workers may import this module (see tests/unit/test_layout.py)."""
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from .messages import PackedTensor
 
-__all__ = ["pack_tensor", "unpack_tensor", "describe_tensor"]
+__all__ = ["pack_tensor", "unpack_tensor", "describe_tensor", "with_source", "load_callable"]
 
 
 def pack_tensor(t):
@@ -53,3 +54,50 @@ def unpack_tensor(p: PackedTensor):
     if not p.data:
         return torch.empty(p.shape, dtype=dtype)
     return torch.frombuffer(bytearray(p.data), dtype=dtype).reshape(p.shape)
+
+
+_SOURCE = "tdmesh: a callable and the file of its code"
+
+
+def with_source(payload: bytes, filename: str | None) -> bytes:
+    """A cloudpickled callable, with the file its code came from.  cloudpickle >= 3.1 names the
+    code of every function it pickles by value ``<dynamic-code>``, so a worker's tracebacks and
+    pdb would show no source line of the user's script; :func:`load_callable` puts the name back."""
+    import pickle
+    return payload if not filename else pickle.dumps((_SOURCE, filename, payload), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load_callable(data: bytes):
+    """The callable of pickled ``data`` (see :func:`with_source`); cloudpickle must be importable."""
+    import pickle
+    obj = pickle.loads(data)
+    if type(obj) is tuple and len(obj) == 3 and obj[0] == _SOURCE:
+        _, filename, payload = obj
+        obj = pickle.loads(payload)
+        _name_source(obj, filename)
+    return obj
+
+
+def _name_source(obj, filename: str) -> None:
+    import types
+    for fn in _functions_of(obj):
+        if isinstance(fn, types.FunctionType):
+            fn.__code__ = _renamed(fn.__code__, filename)
+
+
+def _functions_of(obj) -> list:
+    if not isinstance(obj, type):
+        return [obj]
+    found = []
+    for value in vars(obj).values():  # a class: its methods, static and class methods, properties
+        value = getattr(value, "__func__", value)
+        found.extend([value.fget, value.fset, value.fdel] if isinstance(value, property) else [value])
+    return found
+
+
+def _renamed(code, filename: str):
+    import types
+    if code.co_filename != "<dynamic-code>":
+        return code
+    consts = tuple(_renamed(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)

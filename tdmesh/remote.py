@@ -9,6 +9,7 @@ callable run on meta tensors, or ``"inspect"`` for functions called for side eff
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 
 import torch
@@ -17,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten, treespec
 
 from . import messages as m
 from ._coalescing import check_not_coalescing
+from .codec import with_source
 from .errors import user_line
 from .fetch import mesh_of, prepare_call, send_value, shard_rank
 from .future import Future
@@ -55,10 +57,18 @@ def function_path(fn) -> str | bytes:
             pass
     import cloudpickle  # ships closures and functions of the user's script (__main__) by value
     try:  # cloudpickle raises TypeError/PicklingError/... for what it cannot pickle: one clear error
-        return cloudpickle.dumps(fn)
+        return with_source(cloudpickle.dumps(fn), _source_file(fn))
     except Exception as e:
         raise ValueError(f"cannot ship {fn!r} to the workers: it has no import path and does not pickle "
                          f"({type(e).__name__}: {e}); define it at module level") from e
+
+
+def _source_file(fn) -> str | None:
+    """The file ``fn``'s code comes from (a class: its module's), for the workers' tracebacks."""
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return None if code.co_filename.startswith("<") else code.co_filename
+    return getattr(sys.modules.get(getattr(fn, "__module__", "")), "__file__", None)
 
 
 class Remote:

@@ -8,10 +8,10 @@ the hot path resolves the same few aten ops over and over.
 from __future__ import annotations
 
 import importlib
-import pickle
 from collections.abc import Callable
 from typing import Any
 
+from ..codec import load_callable
 from ..errors import ResolveError
 
 _cache: dict[Any, Callable] = {}
@@ -54,7 +54,7 @@ def resolve(function: Any) -> Callable:
 
 def _loads(data: bytes):
     import cloudpickle  # noqa: F401  (cloudpickled payloads unpickle with plain pickle once it is importable)
-    return pickle.loads(data)
+    return load_callable(data)
 
 
 def _import_path(path: str) -> Callable:
