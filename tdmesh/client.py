@@ -80,6 +80,7 @@ class Client:
         self.closed = False
         self._on_shutdown = on_shutdown
         self.exiting = False
+        self.reading: tuple[int, float] | None = None  # (child, since when) while the reader is inside its frame
         self.supervision = supervision or SupervisionParams.from_env()
         self.controller = controller or ControllerParams.from_env()
         self._ops_since_probe = 0
@@ -278,10 +279,12 @@ class Client:
             for key, _ in sel.select(timeout=0.5):
                 rank = key.data
                 error: BaseException | None = None
+                self.reading = (rank, time.monotonic())  # the supervisor's view of a frame that stalls midway
                 try:
                     msgs = received_messages(self.conns[rank], self.hellos)
                 except (OSError, ProtocolError, ProtocolViolation) as e:
                     msgs, error = None, e
+                self.reading = None
                 if msgs is None:
                     sel.unregister(key.fileobj)
                     open_ranks.discard(rank)

@@ -161,6 +161,12 @@ class Supervisor:
                 return client.fail_from_supervisor(DeviceException(f"{why}\n{client.info.where_logs()}"))
         now = time.monotonic()
         timeout = self.supervision.heartbeat_timeout
+        reading = client.reading  # the reader waits for the rest of one child's frame: no one else is heard
+        if reading is not None and now - reading[1] > timeout:
+            return client.fail_from_supervisor(DeviceException(
+                f"{client.info.name(reading[0])} stopped in the middle of a frame: the client has waited "
+                f"{now - reading[1]:.1f} s for the rest of it (heartbeat_timeout={timeout} s)\n"
+                f"{client.info.where_logs()}"))
         for rank, seen in self.last_seen.items():
             if now - seen > timeout:
                 return client.fail_from_supervisor(DeviceException(

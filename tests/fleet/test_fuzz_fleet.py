@@ -139,10 +139,29 @@ def send_garbage_frame():
     return torch.zeros(1)
 
 
+def send_half_a_frame():
+    """On rank 1: half a frame header, then silence (its heartbeats wait behind the send lock)."""
+    import time
+
+    from tdmesh.transport import MAGIC, Connection
+    from tdmesh.worker.interpreter import Interpreter
+    interp = Interpreter.current
+    assert interp is not None
+    if interp.rank == 1:
+        cells = [c.cell_contents for c in interp.send.__closure__ or ()]
+        conn = next(c for c in cells if isinstance(c, Connection))
+        lock = next(c for c in cells if hasattr(c, "acquire"))
+        with lock:
+            conn.sock.sendall(MAGIC + b"\x00\x00")
+            time.sleep(60)
+    return torch.zeros(1)
+
+
 @pytest.mark.parametrize("function, problem", [
     (send_malformed_status, "it sent a Status whose rank is str 'one'; it must be an int"),
     (send_garbage_frame, "undecodable message at byte"),
-], ids=["wrong-field-type", "garbage"])
+    (send_half_a_frame, "stopped in the middle of a frame"),
+], ids=["wrong-field-type", "garbage", "stalled-frame"])
 def test_a_bad_frame_from_a_worker_is_a_device_exception_naming_it(tmp_path, function, problem):
     with fleet(tmp_path) as mesh:
         pids = worker_pids(mesh)
