@@ -19,10 +19,10 @@ from . import messages as m
 from .client import Client
 from .config import env_float
 from .errors import DeviceException
-from .handshake import challenge, check_hello, welcome
+from .handshake import check_hello, hear, welcome
 from .rendezvous import job_scope, publish_controller, reachable_host
 from .security import job_token, server_tls
-from .transport import DEFAULT_MAX_FRAME, Connection, decode_hello, hello_ranks
+from .transport import DEFAULT_MAX_FRAME, Connection, hello_ranks
 
 log = logging.getLogger("tdmesh")
 
@@ -97,12 +97,7 @@ class Gatekeeper:
             sock.settimeout(self.HELLO_TIMEOUT)
             deadline.start()
             try:
-                if self.tls is not None:
-                    sock = self.tls.wrap_socket(sock, server_side=True)
-                conn = Connection(sock, max_frame=1 << 16)  # a Hello is small; a stranger gets no more
-                nonce = challenge(conn)
-                payload = conn.recv_payload()
-                hello = None if payload is None else decode_hello(payload)
+                conn, nonce, hello = hear(sock, self.tls, 1 << 16)  # a Hello is small; a stranger gets no more
             except Exception as e:  # noqa: BLE001 - whatever a stranger sends
                 return self._refuse(Connection(sock), peer, f"{type(e).__name__}: {e}")
             finally:
@@ -112,7 +107,7 @@ class Gatekeeper:
             with self._lock:
                 if self._admitting:
                     welcome(conn, self.token, nonce, hello)
-                    sock.settimeout(None)
+                    conn.sock.settimeout(None)
                     conn.max_frame = DEFAULT_MAX_FRAME  # authenticated: fetches may be large
                     self.arrivals.put((conn, hello, peer))
                     return

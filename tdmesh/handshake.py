@@ -21,9 +21,9 @@ from typing import Any
 from . import messages as m
 from .errors import ProtocolError
 from .security import derive
-from .transport import Connection, decode_restricted
+from .transport import Connection, decode_hello, decode_restricted
 
-__all__ = ["AuthenticationError", "NONCE_BYTES", "challenge", "check_hello", "welcome", "join", "identity"]
+__all__ = ["AuthenticationError", "NONCE_BYTES", "challenge", "hear", "check_hello", "welcome", "join", "identity"]
 
 NONCE_BYTES = 16
 HANDSHAKE_TIMEOUT = 30.0  # seconds a connecting side waits for each step of the listener's
@@ -54,6 +54,20 @@ def challenge(conn: Connection) -> bytes:
     nonce = os.urandom(NONCE_BYTES)
     conn.send_messages([m.Challenge(nonce)])
     return nonce
+
+
+def hear(sock, tls, max_frame: int) -> tuple[Connection, bytes, object]:
+    """The listener's half up to the hello, on an accepted socket: TLS (``tls``, a server
+    context, or None), the challenge, and the hello that answers it, decoded safely but not yet
+    checked (``check_hello``).  Raises for whatever a stranger sends instead."""
+    if tls is not None:
+        sock = tls.wrap_socket(sock, server_side=True)
+    conn = Connection(sock, max_frame=max_frame)
+    nonce = challenge(conn)
+    payload = conn.recv_payload()
+    if payload is None:
+        raise ProtocolError("closed before saying hello")
+    return conn, nonce, decode_hello(payload)
 
 
 def check_hello(token: str, challenge_nonce: bytes, hello) -> bool:

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import messages as m
 from .errors import UsageError, user_line
-from .fetch import prepare_call, send_value
+from .fetch import prepare_call, send_value, shard_rank
 from .future import Future
 from .issue import issue
 from .remote import Remote, call_remote, function_path
@@ -57,7 +57,6 @@ class ObjectHandle:
 
     def call_one(self, name: str, *args, shard: dict | None = None, **kwargs) -> Future:
         """Run method ``name`` on one rank (``shard``: every dim named; None: the first rank)."""
-        from .fetch import shard_rank
         with self._placed(args, kwargs):
             return send_value(self.mesh, _CALL_METHOD, (self, name, *args), kwargs,
                               shard_rank(self.mesh, shard, {}))

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from . import messages as m
-from .handshake import challenge, check_hello, join, welcome
+from .handshake import check_hello, hear, join, welcome
 from .schema import check_relay_control, check_worker_message
 from .security import server_tls
 from .transport import (
@@ -35,7 +35,6 @@ from .transport import (
     Connection,
     ProtocolError,
     connect,
-    decode_hello,
     hello_ranks,
 )
 
@@ -118,15 +117,8 @@ class Relay:
                 continue
             try:
                 sock.settimeout(self.HELLO_TIMEOUT)
-                if self.tls is not None:
-                    sock = self.tls.wrap_socket(sock, server_side=True)
-                conn = Connection(sock, max_frame=1 << 24)
-                nonce = challenge(conn)
-                payload = conn.recv_payload()
-                if payload is None:
-                    raise ProtocolError("closed before saying hello")
-                hello = decode_hello(payload)
-                sock.settimeout(None)
+                conn, nonce, hello = hear(sock, self.tls, 1 << 24)
+                conn.sock.settimeout(None)
                 conn.max_frame = DEFAULT_MAX_FRAME  # past the hello: a child's fetch results may be large
             except (OSError, ProtocolError, pickle.UnpicklingError) as e:
                 log.warning("host %d's relay refused a connection from %s: %s", self.host, peer, e)

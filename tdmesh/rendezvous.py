@@ -16,7 +16,7 @@ from torch.distributed import TCPStore
 
 from .config import env_str
 from .errors import UsageError
-from .security import secret_token
+from .security import derive, secret_token
 
 SHUTDOWN = "shutdown"
 NEXT_JOB = "/next"  # under a parked fleet's scope (tdmesh.pool): the scope of its next job, or SHUTDOWN
@@ -104,9 +104,7 @@ def attach_scope() -> str:
 
 def proof(job_token: str, *parts) -> str:
     """HMAC of an announcement: only a client that knows the job token can direct the fleet."""
-    import hashlib
-    import hmac
-    return hmac.new(job_token.encode(), "|".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()
+    return derive(job_token, *parts)
 
 
 def session_token(job_token: str, session: int, salt: str) -> str:

@@ -261,10 +261,7 @@ def worker_messages(payload, ranks: Container[int]) -> list | None:
 def received_messages(conn, ranks: Container[int]) -> list | None:
     """The checked messages of ``conn``'s next frame and of every later frame TLS has already
     read in, which no selector reports (None for a closed connection)."""
-    msgs = worker_messages(conn.recv_payload(), ranks)
-    while msgs is not None and conn.pending():
-        more = worker_messages(conn.recv_payload(), ranks)
-        if more is None:
-            break
-        msgs.extend(more)
-    return msgs
+    payloads = conn.recv_payloads()
+    if payloads is None:
+        return None
+    return [msg for payload in payloads for msg in worker_messages(payload, ranks) or ()]

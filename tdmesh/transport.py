@@ -200,19 +200,22 @@ class Connection:
         assert payload is not None
         return magic, payload
 
-    def recv_messages(self) -> list | None:
-        """The next frame's messages, and those of every later frame TLS has already read in
-        (a selector does not see bytes decrypted into the TLS buffer: see ``pending``)."""
+    def recv_payloads(self) -> list[bytearray] | None:
+        """The next frame's payload, and those of every later frame TLS has already read in (a
+        selector does not see bytes decrypted into the TLS buffer: see ``pending``); ``None`` on
+        a clean close before the first."""
         payload = self.recv_payload()
         if payload is None:
             return None
-        msgs = list(decode(payload))
-        while self.pending():
-            more = self.recv_payload()
-            if more is None:
-                break
-            msgs.extend(decode(more))
-        return msgs
+        payloads = [payload]
+        while self.pending() and (payload := self.recv_payload()) is not None:
+            payloads.append(payload)
+        return payloads
+
+    def recv_messages(self) -> list | None:
+        """The messages of ``recv_payloads``."""
+        payloads = self.recv_payloads()
+        return None if payloads is None else [msg for payload in payloads for msg in decode(payload)]
 
     def pending(self) -> int:
         """Bytes already read from the socket into TLS's buffer, which no selector reports."""

@@ -124,16 +124,23 @@ def send_malformed_status():
     return torch.zeros(1)
 
 
-def send_garbage_frame():
-    """On rank 1: a frame of bytes that are no pickle, on the worker's own connection."""
+def _rank_1_connection():
+    """On a worker: (its connection to the client, the lock its sends take) on rank 1, else None."""
     from tdmesh.transport import Connection
     from tdmesh.worker.interpreter import Interpreter
     interp = Interpreter.current
     assert interp is not None
-    if interp.rank == 1:
-        cells = [c.cell_contents for c in interp.send.__closure__ or ()]
-        conn = next(c for c in cells if isinstance(c, Connection))
-        lock = next(c for c in cells if hasattr(c, "acquire"))
+    if interp.rank != 1:
+        return None
+    cells = [c.cell_contents for c in interp.send.__closure__ or ()]
+    return next(c for c in cells if isinstance(c, Connection)), next(c for c in cells if hasattr(c, "acquire"))
+
+
+def send_garbage_frame():
+    """On rank 1: a frame of bytes that are no pickle, on the worker's own connection."""
+    found = _rank_1_connection()
+    if found is not None:
+        conn, lock = found
         with lock:
             conn.send_payload(b"\x80\x05no pickle here")
     return torch.zeros(1)
@@ -143,14 +150,10 @@ def send_half_a_frame():
     """On rank 1: half a frame header, then silence (its heartbeats wait behind the send lock)."""
     import time
 
-    from tdmesh.transport import MAGIC, Connection
-    from tdmesh.worker.interpreter import Interpreter
-    interp = Interpreter.current
-    assert interp is not None
-    if interp.rank == 1:
-        cells = [c.cell_contents for c in interp.send.__closure__ or ()]
-        conn = next(c for c in cells if isinstance(c, Connection))
-        lock = next(c for c in cells if hasattr(c, "acquire"))
+    from tdmesh.transport import MAGIC
+    found = _rank_1_connection()
+    if found is not None:
+        conn, lock = found
         with lock:
             conn.sock.sendall(MAGIC + b"\x00\x00")
             time.sleep(60)
