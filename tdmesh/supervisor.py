@@ -161,18 +161,19 @@ class Supervisor:
                 return client.fail_from_supervisor(DeviceException(f"{why}\n{client.info.where_logs()}"))
         now = time.monotonic()
         timeout = self.supervision.heartbeat_timeout
-        reading = client.reading  # the reader waits for the rest of one child's frame: no one else is heard
-        if reading is not None and now - reading[1] > timeout:
+        silent = [(rank, seen) for rank, seen in self.last_seen.items() if now - seen > timeout]
+        reading = client.reading  # the reader has waited inside one child's frame: no one else can be heard
+        if silent and reading is not None and now - reading[1] > self.supervision.heartbeat_interval:
             return client.fail_from_supervisor(DeviceException(
                 f"{client.info.name(reading[0])} stopped in the middle of a frame: the client has waited "
                 f"{now - reading[1]:.1f} s for the rest of it (heartbeat_timeout={timeout} s)\n"
                 f"{client.info.where_logs()}"))
-        for rank, seen in self.last_seen.items():
-            if now - seen > timeout:
-                return client.fail_from_supervisor(DeviceException(
-                    f"{client.info.name(rank)} stopped heartbeating: nothing heard for "
-                    f"{now - seen:.1f} s (heartbeat_timeout={timeout} s); it is hung or unreachable\n"
-                    f"{client.info.where_logs()}"))
+        if silent:
+            rank, seen = silent[0]
+            return client.fail_from_supervisor(DeviceException(
+                f"{client.info.name(rank)} stopped heartbeating: nothing heard for "
+                f"{now - seen:.1f} s (heartbeat_timeout={timeout} s); it is hung or unreachable\n"
+                f"{client.info.where_logs()}"))
         self._check_progress(now)
 
     def _check_progress(self, now: float) -> None:
