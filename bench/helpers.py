@@ -13,14 +13,15 @@ import statistics
 import struct
 import sys
 import time
+import zlib
 from collections.abc import Callable
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Same framing as tdmesh.transport: MAGIC | u64 length | payload (12-byte header).
+# Same framing as tdmesh.transport: MAGIC | u64 length | u32 CRC-32 | payload (16-byte header).
 # Re-declared here so the raw baseline does not go through tdmesh's code at all.
 FRAME_MAGIC = b"TDM1"
-FRAME_HEADER = struct.Struct("!4sQ")
+FRAME_HEADER = struct.Struct("!4sQI")
 
 
 # ---------------------------------------------------------------------------- the kernel
@@ -119,16 +120,18 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 
 def raw_send(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(FRAME_HEADER.pack(FRAME_MAGIC, len(payload)) + payload)
+    sock.sendall(FRAME_HEADER.pack(FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload)
 
 
 def raw_recv(sock: socket.socket) -> bytes | None:
     header = _recv_exact(sock, FRAME_HEADER.size)
     if header is None:
         return None
-    magic, length = FRAME_HEADER.unpack(header)
+    magic, length, crc = FRAME_HEADER.unpack(header)
     assert magic == FRAME_MAGIC, magic
-    return _recv_exact(sock, length)
+    payload = _recv_exact(sock, length)
+    assert payload is None or zlib.crc32(payload) == crc
+    return payload
 
 
 def echo_server(listener_fd: int | None = None, port: int | None = None) -> None:

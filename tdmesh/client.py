@@ -32,7 +32,7 @@ from .history import History
 from .outbox import Outbox
 from .schema import received_messages
 from .supervisor import FleetFailure, FleetInfo, Supervisor, WorkerLost
-from .transport import Connection, encode
+from .transport import Connection, checksum, encode
 
 log = logging.getLogger("tdmesh")
 
@@ -245,9 +245,10 @@ class Client:
             if not self.outbox.log:
                 return
             payload = self.outbox.take()
+            crc = checksum(payload)
             for key, conn in self.conns.items():
                 try:
-                    conn.send_payload(payload)
+                    conn.send_payload(payload, crc)
                 except OSError as e:
                     # A dead process shows first as a broken pipe; the launcher's exit code
                     # or signal, when it comes within a moment, says more.

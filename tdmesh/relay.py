@@ -34,6 +34,7 @@ from .transport import (
     RELAY_MAGIC,
     Connection,
     ProtocolError,
+    checksum,
     connect,
     hello_ranks,
 )
@@ -205,9 +206,10 @@ class Relay:
                 if child.relay and not child.lost:
                     self._send_child(child, lambda c: c.conn.send_control(config))
             return True
+        crc = checksum(payload)
         for child in self.children:
             if not child.lost:
-                self._send_child(child, lambda c: c.conn.send_payload(payload))
+                self._send_child(child, lambda c: c.conn.send_payload(payload, crc))
         return True
 
     def _send_child(self, child: _Child, send) -> None:

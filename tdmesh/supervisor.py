@@ -5,12 +5,15 @@ processes (exit code or signal, for ``local_mesh``), each rank's last sign of li
 and heartbeats, noted by the client's reader thread), and the oldest progress probe that a
 rank has not answered.  A dead or silent worker becomes a ``DeviceException`` delivered to
 every pending future within the bound; a stuck op is a warning naming the ranks and the
-op's source line, or a ``DeviceException`` when ``fail_on_operation_timeout`` is set.
+op's source line, or a ``DeviceException`` when ``fail_on_operation_timeout`` is set.  Time
+this process did not run (the check woke late), and a child whose bytes wait unread, are not
+silence: the client's own deafness is never blamed on its workers.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -144,10 +147,15 @@ class Supervisor:
     def _loop(self) -> None:
         period = max(0.05, min(0.5, self.supervision.heartbeat_interval, self.controller.progress_check_interval / 4))
         client = self.client
+        last = time.monotonic()
         while not client.exiting and client.failure is None:
             time.sleep(period)
             if client.exiting or client.failure is not None:
                 return
+            now = time.monotonic()
+            stalled, last = now - last - period, now
+            if stalled > period:
+                self._discount(stalled)
             try:
                 self._check()
             except Exception:  # noqa: BLE001 - the watch must not die silently
@@ -161,7 +169,8 @@ class Supervisor:
                 return client.fail_from_supervisor(DeviceException(f"{why}\n{client.info.where_logs()}"))
         now = time.monotonic()
         timeout = self.supervision.heartbeat_timeout
-        silent = [(rank, seen) for rank, seen in self.last_seen.items() if now - seen > timeout]
+        silent = [(rank, seen) for rank, seen in self.last_seen.items()
+                  if now - seen > timeout and not self._unread(rank)]
         reading = client.reading  # the reader has waited inside one child's frame: no one else can be heard
         if silent and reading is not None and now - reading[1] > self.supervision.heartbeat_interval:
             return client.fail_from_supervisor(DeviceException(
@@ -175,6 +184,26 @@ class Supervisor:
                 f"{now - seen:.1f} s (heartbeat_timeout={timeout} s); it is hung or unreachable\n"
                 f"{client.info.where_logs()}"))
         self._check_progress(now)
+
+    def _discount(self, stalled: float) -> None:
+        """This thread woke ``stalled`` seconds late: the process did not run (a call of the
+        user's that held the GIL, a stopped process, an overloaded machine), so neither did its
+        reader, and what the workers sent meanwhile waits unread.  Silence and lateness are
+        measured without that time: a client kept from listening does not blame its workers."""
+        for key in list(self.last_seen):
+            self.last_seen[key] += stalled
+        self.probes = [(seq, t + stalled) for seq, t in self.probes]
+
+    def _unread(self, key: int) -> bool:
+        """Whether ``key``'s connection holds bytes the reader has not taken yet: a child heard
+        from but not yet read is alive, however long this process was kept from reading."""
+        conn = self.client.conns.get(key)
+        if conn is None:
+            return False
+        try:
+            return conn.pending() > 0 or bool(select.select([conn.sock], [], [], 0)[0])
+        except (OSError, ValueError):  # closed meanwhile: the reader reports that
+            return False
 
     def _check_progress(self, now: float) -> None:
         client = self.client

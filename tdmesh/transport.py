@@ -1,13 +1,16 @@
 """Framed connections between the client and its workers.
 
-A frame is ``MAGIC | u64 length | payload``.  Upstream (worker -> client) the payload is a
+A frame is ``MAGIC | u64 length | u32 CRC-32 of the payload | payload``.  Upstream (worker -> client) the payload is a
 run of pickles, one per message.  Downstream (client -> workers) it is a run of *entries*,
 ``u32 rank set | u32 length | pickle``: the client pickles each message once and sends the
 same frame to every child (a worker, or a host's relay that forwards it unchanged), and each
 worker keeps the entries of the rank sets it belongs to (:class:`RankFilter`).  A frame's size
 never depends on how many ranks receive it.  Relays also get control frames of their own
 (``RELAY_MAGIC``).  Frames over ``max_frame`` bytes or with a bad magic are refused: the peer
-is not one of ours.
+is not one of ours.  A frame whose checksum does not match was damaged on its way and is
+refused before anything in it is unpickled: CPython's C unpickler can spend minutes and
+gigabytes on a few damaged bytes (a memo index read from the middle of a string allocates
+16 bytes per unit of the index; CPython issue gh-115952), so damaged bytes must never reach it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import io
 import pickle
 import socket
 import struct
+import zlib
 from collections.abc import Iterable, Iterator
 
 from . import messages as m
@@ -26,15 +30,20 @@ from .slice import Slice
 
 __all__ = ["MAGIC", "RELAY_MAGIC", "DEFAULT_MAX_FRAME", "Connection", "ProtocolError", "connect", "decode",
            "encode", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter", "decode_hello", "decode_restricted",
-           "hello_ranks"]
+           "hello_ranks", "checksum", "FRAME_HEADER"]
 
 MAGIC = b"TDM1"
 RELAY_MAGIC = b"TDMR"  # a frame for the relay itself (its configuration), not forwarded to workers
-_HEADER = struct.Struct("!4sQ")
+FRAME_HEADER = struct.Struct("!4sQI")  # magic, payload length, CRC-32 of the payload
 ENTRY = struct.Struct("!II")  # rank set id, length of the pickle that follows
 ALL_RANKS = 0                 # the rank set every rank belongs to
 DEFINE_SET = 0xFFFFFFFF       # an entry that defines a rank set: pickle of (id, tuple of Slices)
 DEFAULT_MAX_FRAME = env_int("TDMESH_MAX_FRAME")  # 16 GiB by default: a fetch of a big tensor is one frame
+
+
+def checksum(payload) -> int:
+    """The CRC-32 a frame of ``payload`` carries: computed once for a payload sent to many peers."""
+    return zlib.crc32(payload)
 
 
 def encode(msg) -> bytes:
@@ -165,8 +174,10 @@ class Connection:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send_payload(self, payload: bytes | bytearray | memoryview) -> None:
-        header = _HEADER.pack(MAGIC, len(payload))
+    def send_payload(self, payload: bytes | bytearray | memoryview, checksum: int | None = None) -> None:
+        """One frame of ``payload``; ``checksum`` (its CRC-32), when a caller sending the same
+        payload to many peers has computed it once."""
+        header = FRAME_HEADER.pack(MAGIC, len(payload), zlib.crc32(payload) if checksum is None else checksum)
         if len(payload) < 65536:
             self.sock.sendall(header + bytes(payload))
         else:
@@ -179,7 +190,7 @@ class Connection:
     def send_control(self, msg) -> None:
         """A control frame for a relay (pickled ``msg``)."""
         payload = encode(msg)
-        self.sock.sendall(_HEADER.pack(RELAY_MAGIC, len(payload)) + payload)
+        self.sock.sendall(FRAME_HEADER.pack(RELAY_MAGIC, len(payload), zlib.crc32(payload)) + payload)
 
     def recv_payload(self) -> bytearray | None:
         """The next frame's payload, or ``None`` when the peer closed cleanly between frames."""
@@ -188,16 +199,18 @@ class Connection:
 
     def recv_frame(self, magics: tuple[bytes, ...] = (MAGIC,)) -> tuple[bytes, bytearray] | None:
         """The next frame as (magic, payload); ``None`` on a clean close between frames."""
-        header = self._recv_exact(_HEADER.size, allow_eof=True)
+        header = self._recv_exact(FRAME_HEADER.size, allow_eof=True)
         if header is None:
             return None
-        magic, length = _HEADER.unpack(header)
+        magic, length, checksum = FRAME_HEADER.unpack(header)
         if magic not in magics:
             raise ProtocolError(f"bad frame magic {magic!r} (expected {MAGIC!r}): not a tdmesh peer")
         if length > self.max_frame:
             raise ProtocolError(f"frame of {length} bytes exceeds the limit of {self.max_frame} bytes")
         payload = self._recv_exact(length, allow_eof=False)
         assert payload is not None
+        if zlib.crc32(payload) != checksum:
+            raise ProtocolError(f"a {length}-byte frame failed its checksum: it was damaged on its way")
         return magic, payload
 
     def recv_payloads(self) -> list[bytearray] | None:

@@ -11,7 +11,6 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from tdmesh import DeviceException, fetch_shard, inspect, remote
 from tdmesh import messages as m
 from tdmesh.config import ControllerParams, SupervisionParams
 from tdmesh.handshake import AuthenticationError, join
-from tdmesh.transport import MAGIC, Connection, encode
+from tdmesh.transport import FRAME_HEADER, MAGIC, Connection, checksum, encode
 
 from paths import SCRIPTS
 
@@ -192,6 +191,36 @@ def test_hung_worker_stops_heartbeating():
     assert f"worker rank 0 (host {socket.gethostname()}, pid {info.pids[0]})" in text, text
     assert f"heartbeat_timeout={HEARTBEAT_TIMEOUT}" in text
     assert elapsed < HEARTBEAT_TIMEOUT + 2, f"the hang took {elapsed:.1f} s to surface"
+
+
+def hold_the_gil(seconds: float) -> None:
+    """One C call that never lets another thread of this process run (``sum`` over a range)."""
+    n = 10 ** 6
+    started = time.perf_counter()
+    sum(range(n))
+    sum(range(int(n * seconds / max(time.perf_counter() - started, 1e-4))))
+
+
+def test_a_client_kept_from_running_does_not_blame_its_workers():
+    """While the client's main thread holds the GIL (a long C call of the user's), its reader
+    cannot read: the workers' heartbeats, and the answer to an op's progress probe, wait in the
+    sockets. Afterwards nobody is called silent or stuck (CI's run of a hypothesis test that
+    held the GIL for half a minute failed two idle fleets of the test session this way)."""
+    quick = SupervisionParams(heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    strict = STUCK._replace(operation_timeout=1, fail_on_operation_timeout=True)
+    with tdmesh.local_mesh(hosts=2, gpus_per_host=2, supervision=quick, controller=strict, pool=False) as mesh:
+        pids = worker_pids(mesh)
+        with mesh.activate():
+            x = torch.ones(2) + 1
+            assert inspect(x).tolist() == [2.0, 2.0]
+            y = x * 3  # in flight while the client is away: its probe is answered at once, and read late
+            for _ in range(10):  # away 5 s, with a moment between the calls for every thread to run once
+                hold_the_gil(quick.heartbeat_timeout / 2)
+                time.sleep(0.001)
+            time.sleep(2 * quick.heartbeat_timeout)  # the supervisor's checks, with every worker heard again
+            assert mesh.client.failure is None, mesh.client.failure
+            assert inspect(y).tolist() == [6.0, 6.0]
+    assert_no_worker_left(pids)
 
 
 def test_failure_before_a_collective_does_not_hang_the_others():
@@ -372,7 +401,7 @@ class Trojan:
 
 
 def frame(payload: bytes, declared: int | None = None) -> bytes:
-    return struct.pack("!4sQ", MAGIC, len(payload) if declared is None else declared) + payload
+    return FRAME_HEADER.pack(MAGIC, len(payload) if declared is None else declared, checksum(payload)) + payload
 
 
 def closed_by_peer(sock: socket.socket, timeout: float = 10.0) -> bool:

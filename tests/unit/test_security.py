@@ -254,16 +254,16 @@ def test_frames_that_tls_has_already_read_in_are_not_left_behind(no_secret, monk
     """Two frames in one TLS record: reading the first decrypts the second into TLS's buffer,
     where no selector sees it; the readers take it in the same call."""
     import selectors
-    import struct
 
     from tdmesh.schema import received_messages
-    from tdmesh.transport import MAGIC
+    from tdmesh.transport import FRAME_HEADER, MAGIC, checksum
     for name, value in make_certificates(str(tmp_path / "tls")).items():
         monkeypatch.setenv(name, value)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
-    frames = b"".join(struct.pack("!4sQ", MAGIC, len(p)) + p for p in (encode(m.Heartbeat(1)), encode(m.Status(1, 5))))
+    frames = b"".join(FRAME_HEADER.pack(MAGIC, len(p), checksum(p)) + p
+                      for p in (encode(m.Heartbeat(1)), encode(m.Status(1, 5))))
 
     def serve() -> None:
         sock = server_tls().wrap_socket(listener.accept()[0], server_side=True)

@@ -1,0 +1,50 @@
+"""Which fuzzed payloads would trip CPython's C unpickler itself, not tdmesh's decoder.
+
+CPython's C unpickler sizes its memo by the largest index a ``PUT``/``BINPUT``/``LONG_BINPUT``
+names (16 bytes per unit of the index, zeroed): a few damaged bytes read as ``LONG_BINPUT``
+cost up to 64 GiB and minutes (CPython gh-115952, fixed after 3.14).  ``pickle.dumps`` never
+writes such an op (protocol 5 memoizes with ``MEMOIZE``), and every frame carries a CRC-32 that
+is checked before anything in it is unpickled, so damaged bytes never reach the unpickler from
+the wire: only a peer that computes tdmesh's checksums, i.e. one that holds the job's token and
+may run code on the fleet anyway, could send them.  The fuzz tests that feed bytes straight to
+the decoder, past the checksum, leave these payloads out (and the transport tests show the
+checksum refusing them)."""
+
+from __future__ import annotations
+
+import io
+import pickletools
+
+_MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+
+
+def _pickles_bomb(stream: io.BytesIO, end: int) -> bool:
+    """True if a pickle read from ``stream`` (until ``end``) names a memo index beyond its bytes."""
+    while stream.tell() < end:
+        start = stream.tell()
+        try:
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name in _MEMO_PUTS and int(arg) > end - start:
+                    return True
+        except Exception:  # noqa: BLE001 - not a pickle past here: the unpickler stops too
+            return False
+    return False
+
+
+def upstream_bomb(payload: bytes) -> bool:
+    """An upstream payload (a run of pickles) that would trip the C unpickler."""
+    return _pickles_bomb(io.BytesIO(payload), len(payload))
+
+
+def downstream_bomb(payload: bytes) -> bool:
+    """A downstream payload (entries of ``u32 rank set | u32 length | pickle``) that would."""
+    from tdmesh.transport import ENTRY
+    pos = 0
+    while pos + ENTRY.size <= len(payload):
+        _, n = ENTRY.unpack_from(payload, pos)
+        pos += ENTRY.size
+        body = payload[pos:pos + n]
+        if upstream_bomb(body):
+            return True
+        pos += n
+    return False
