@@ -34,7 +34,6 @@ from .transport import (
     RELAY_MAGIC,
     Connection,
     ProtocolError,
-    checksum,
     connect,
     hello_ranks,
 )
@@ -206,7 +205,7 @@ class Relay:
                 if child.relay and not child.lost:
                     self._send_child(child, lambda c: c.conn.send_control(config))
             return True
-        crc = checksum(payload)
+        crc = self.up.last_checksum  # checked on the way in
         for child in self.children:
             if not child.lost:
                 self._send_child(child, lambda c: c.conn.send_payload(payload, crc))
@@ -244,7 +243,7 @@ class Relay:
                     self._sent_progress = low
                     self.up.send_messages([m.Status(self.first, low)])
         elif t is not m.Heartbeat:
-            self.up.send_payload(payload)
+            self.up.send_payload(payload, child.conn.last_checksum)  # checked on the way in
         return True
 
     def _beat(self, now: float) -> None:

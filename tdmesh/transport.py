@@ -168,6 +168,7 @@ class Connection:
     def __init__(self, sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self.sock = sock
         self.max_frame = max_frame
+        self.last_checksum = 0  # of the last frame received: a relay forwards it with the frame
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -211,6 +212,7 @@ class Connection:
         assert payload is not None
         if zlib.crc32(payload) != checksum:
             raise ProtocolError(f"a {length}-byte frame failed its checksum: it was damaged on its way")
+        self.last_checksum = checksum
         return magic, payload
 
     def recv_payloads(self) -> list[bytearray] | None:
