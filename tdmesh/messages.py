@@ -367,7 +367,7 @@ class ProcessGroupArg(NamedTuple):
 class PackedTensor(NamedTuple):  # a dense CPU tensor as raw bytes: pickles ~10x faster than a tensor
     dtype: str
     shape: tuple
-    data: bytes
+    data: Any  # a PickleBuffer where packed (codec.pack_tensor; protocol 5), a bytearray where unpickled
 
 
 class TorchGlobal(NamedTuple):

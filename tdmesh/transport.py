@@ -51,9 +51,41 @@ def encode(msg) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+class _FrameReader:
+    """A file over a received frame that reads out of it in place: ``io.BytesIO`` copies a
+    bytearray whole first, which for a big fetch costs as much as any other copy of it."""
+
+    def __init__(self, buf) -> None:
+        self.buf = buf
+        self.view = memoryview(buf)
+        self.pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n < 0 else min(len(self.view), self.pos + n)
+        out = bytes(self.view[self.pos:end])
+        self.pos = end
+        return out
+
+    def readinto(self, b) -> int:
+        n = min(len(b), len(self.view) - self.pos)
+        memoryview(b).cast("B")[:n] = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def readline(self) -> bytes:
+        end = self.buf.find(b"\n", self.pos)
+        return self.read(-1 if end < 0 else end + 1 - self.pos)
+
+    def tell(self) -> int:
+        return self.pos
+
+
+_IN_PLACE = 1 << 20  # frames from this size on are read in place; smaller ones through io.BytesIO (faster per call)
+
+
 def decode(payload) -> Iterator:
     """The messages of one frame payload, in order."""
-    stream = io.BytesIO(payload)
+    stream = io.BytesIO(payload) if len(payload) < _IN_PLACE else _FrameReader(payload)
     end = len(payload)
     load = pickle.load
     while stream.tell() < end:  # each message is its own pickle, with its own memo

@@ -38,7 +38,7 @@ def failed(seq, rank=0, exc_type="ValueError", message="boom", tb=None) -> m.Rem
 
 
 def value(seq, obj) -> m.FetchResult:
-    return m.FetchResult(seq, pickle.dumps(obj))
+    return m.FetchResult(seq, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))  # as a worker pickles it
 
 
 def complete(h: History, first_uncompleted: int, ranks) -> list:

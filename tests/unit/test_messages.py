@@ -216,13 +216,29 @@ def test_pack_tensor_round_trips_values_dtype_and_shape(t):
     assert type(packed) is m.PackedTensor
     assert packed.dtype == str(t.dtype).split(".")[1]
     assert packed.shape == tuple(t.shape)
-    assert len(packed.data) == t.numel() * t.element_size()
-    back = codec.unpack_tensor(pickle.loads(pickle.dumps(packed)))
+    assert memoryview(packed.data).nbytes == t.numel() * t.element_size()
+    wire = pickle.loads(pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL))
+    assert type(wire.data) is bytearray                     # written straight from the tensor's memory
+    back = codec.unpack_tensor(wire)
+    if wire.data:                                           # and the tensor is made over it, not a copy
+        import ctypes
+        assert back.data_ptr() == ctypes.addressof(ctypes.c_char.from_buffer(wire.data))
     assert back.dtype == t.dtype and back.shape == t.shape
     assert torch.equal(back, t)
     assert back.is_contiguous()
     back.zero_()                                 # writable: it owns its memory
     assert not back.any() and torch.equal(codec.unpack_tensor(packed), t)
+
+
+def test_packed_bytes_keep_a_temporary_tensor_alive():
+    """A non-contiguous tensor is packed from a contiguous copy that nothing else holds: the
+    packed buffer keeps it, so pickling later still reads its values."""
+    import gc
+    packed = codec.pack_tensor(torch.arange(12, dtype=torch.float64).reshape(3, 4).t())
+    gc.collect()
+    junk = [torch.full((3, 4), -1.0, dtype=torch.float64) for _ in range(50)]  # reuse freed memory, if any was
+    back = codec.unpack_tensor(pickle.loads(pickle.dumps(packed, protocol=pickle.HIGHEST_PROTOCOL)))
+    assert torch.equal(back, torch.arange(12, dtype=torch.float64).reshape(3, 4).t()) and junk
 
 
 def test_pack_tensor_leaves_what_bytes_cannot_carry():
