@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from .messages import PackedTensor
 
-__all__ = ["pack_tensor", "unpack_tensor", "describe_tensor", "with_source", "load_callable"]
+__all__ = ["pack_tensor", "unpack_tensor", "describe_tensor", "with_source", "load_callable", "pickle_value",
+           "unpickle_value"]
 
 
 def pack_tensor(t):
@@ -60,13 +61,37 @@ def describe_tensor(t) -> tuple:
 
 
 def unpack_tensor(p: PackedTensor):
-    """The tensor of ``p``; it owns the bytearray a pickled PackedTensor arrives with (no copy)."""
+    """The tensor of ``p``, over the memory ``p`` arrived in (no copy): the bytearray of a
+    PackedTensor pickled in band, or the writable view of a received frame its bytes travelled
+    beside the pickle in (:func:`pickle_value`).  Anything else (a PickleBuffer not sent) is copied."""
     import torch
     dtype = getattr(torch, p.dtype)
-    data = p.data if type(p.data) is bytearray else bytearray(p.data)  # a PickleBuffer not yet sent: copied
+    data = p.data
+    if not (type(data) is bytearray or (type(data) is memoryview and not data.readonly)):
+        data = bytearray(data)
     if not data:
         return torch.empty(p.shape, dtype=dtype)
     return torch.frombuffer(data, dtype=dtype).reshape(p.shape)
+
+
+def pickle_value(value):
+    """A fetched value as a FetchResult carries it: its pickle, or ``(pickle, buffer, ...)``
+    with the bytes of its big tensors left out of the pickle, for the transport to send from
+    the tensors' memory (``transport.encode_parts``) and the client to read in place."""
+    import pickle
+
+    from .transport import big_buffers_into
+    buffers: list = []
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=big_buffers_into(buffers))
+    return (data, *buffers) if buffers else data
+
+
+def unpickle_value(wire):
+    """The value of :func:`pickle_value`'s wire form (its PackedTensors still packed)."""
+    import pickle
+    if type(wire) is tuple:
+        return pickle.loads(wire[0], buffers=wire[1:])
+    return pickle.loads(wire)
 
 
 _SOURCE = "tdmesh: a callable and the file of its code"

@@ -4,7 +4,6 @@ in the order they finish."""
 
 from __future__ import annotations
 
-import pickle
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -15,7 +14,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from . import messages as m
-from .codec import unpack_tensor
+from .codec import unpack_tensor, unpickle_value
 from .errors import DeviceException
 
 _PENDING = object()
@@ -149,10 +148,11 @@ def _in_completion_order(pending: list[Future], deadline: float | None, timeout:
                     break
 
 
-def load_value(payload: bytes):
-    """Unpickle a fetched value as local tensors, whatever mesh is active on the client."""
+def load_value(payload):
+    """Unpickle a fetched value (a FetchResult's, see ``codec.pickle_value``) as local tensors,
+    whatever mesh is active on the client."""
     with _disable_current_modes(), torch._C.DisableTorchFunction():  # no mesh's factory defaults either
-        value = pickle.loads(payload)
+        value = unpickle_value(payload)
         return tree_map(lambda x: unpack_tensor(x) if type(x) is m.PackedTensor else x, value,
                         is_leaf=lambda x: type(x) is m.PackedTensor)
 

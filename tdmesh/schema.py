@@ -106,6 +106,9 @@ PROCESS_GROUPS = Kind(f"a tuple of at most {MAX_ITEMS} ProcessGroupArgs",
 ANY = Kind("anything", lambda v: True)
 NONCE = Kind("bytes of at most 64", lambda v: type(v) is bytes and len(v) <= 64)
 OPT_BYTES = Kind("bytes or None", lambda v: v is None or type(v) is bytes)
+FETCHED = Kind("bytes, (bytes, buffer, ...) or None",  # codec.pickle_value: big buffers travel beside the pickle
+               lambda v: v is None or type(v) is bytes or (type(v) is tuple and len(v) > 1 and type(v[0]) is bytes
+                                                          and all(type(b) is memoryview for b in v[1:])))
 OPT_DEPENDENT_ERROR = Kind("None or a DependentError",
                            lambda v: v is None or (type(v) is m.DependentError and type(v.seq) is int))
 COMMANDS = Kind(f"a tuple of at most {m.MAX_COMMANDS_PER_CHUNK} well-formed client->worker messages",
@@ -145,7 +148,7 @@ CLIENT_SCHEMA: dict[type, dict[str, Kind]] = {
 WORKER_SCHEMA: dict[type, dict[str, Kind]] = {
     m.Hello: dict(rank=INT, nonce=NONCE, proof=TEXT, hostname=TEXT, pid=INT, device=TEXT, log=OPT_TEXT),
     m.Heartbeat: dict(rank=INT),
-    m.FetchResult: dict(seq=INT, value=OPT_BYTES, error=OPT_DEPENDENT_ERROR, rank=INT),
+    m.FetchResult: dict(seq=INT, value=FETCHED, error=OPT_DEPENDENT_ERROR, rank=INT),
     m.RemoteFunctionFailed: dict(seq=INT, rank=INT, exc_type=TEXT, message=TEXT, traceback=TEXT),
     m.WorkerFailed: dict(seq=INT, rank=INT, function=TEXT, exc_type=TEXT, message=TEXT, traceback=TEXT),
     m.Status: dict(rank=INT, first_uncompleted=INT),

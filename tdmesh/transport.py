@@ -20,7 +20,7 @@ import pickle
 import socket
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from . import messages as m
 from .config import env_int
@@ -30,7 +30,8 @@ from .slice import Slice
 
 __all__ = ["MAGIC", "RELAY_MAGIC", "DEFAULT_MAX_FRAME", "Connection", "ProtocolError", "connect", "decode",
            "encode", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter", "decode_hello", "decode_restricted",
-           "hello_ranks", "checksum", "FRAME_HEADER"]
+           "hello_ranks", "checksum", "FRAME_HEADER", "encode_parts", "OUT_OF_BAND",
+           "big_buffers_into"]
 
 MAGIC = b"TDM1"
 RELAY_MAGIC = b"TDMR"  # a frame for the relay itself (its configuration), not forwarded to workers
@@ -49,6 +50,54 @@ def checksum(payload) -> int:
 def encode(msg) -> bytes:
     """One message as the bytes that go into a frame."""
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+OUT_OF_BAND = 1 << 20  # PickleBuffers from this size on travel beside their message's pickle, not inside it
+_BESIDE = struct.Struct("!BI")  # 0 (no pickle starts so) | how many buffers; then u64 sizes, the buffers, the pickle
+
+
+def big_buffers_into(buffers: list, limit: int = OUT_OF_BAND) -> Callable[[pickle.PickleBuffer], bool]:
+    """A pickle ``buffer_callback`` that leaves PickleBuffers of ``limit`` bytes or more out of
+    the pickle (answering False), collected into ``buffers``, and keeps smaller ones in it."""
+    def keep_in_band(buffer: pickle.PickleBuffer) -> bool:
+        if buffer.raw().nbytes < limit:
+            return True
+        buffers.append(buffer)
+        return False
+    return keep_in_band
+
+
+def encode_parts(msg, out_of_band: int = OUT_OF_BAND) -> list:
+    """One message as the pieces that go into a frame: its pickle, or, when it holds
+    PickleBuffers of ``out_of_band`` bytes or more (a fetched tensor's memory), ``0 | count |
+    sizes``, those buffers as they are, then the pickle.  Sent piece by piece and read in place
+    (:func:`decode`), a big buffer is copied by neither side's pickle."""
+    buffers: list = []
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=big_buffers_into(buffers, out_of_band))
+    if not buffers:
+        return [data]
+    raws = [b.raw() for b in buffers]
+    return [_BESIDE.pack(0, len(raws)) + struct.pack(f"!{len(raws)}Q", *(r.nbytes for r in raws)), *raws, data]
+
+
+def _buffers_beside(payload, at: int) -> tuple[list, int]:
+    """The buffers of the out-of-band block at ``at``, as views of ``payload``, and where its pickle starts."""
+    end = len(payload)
+    if at + _BESIDE.size > end:
+        raise ProtocolError(f"an out-of-band block at byte {at} of a {end}-byte frame is cut short")
+    _, count = _BESIDE.unpack_from(payload, at)
+    at += _BESIDE.size
+    if at + 8 * count > end:
+        raise ProtocolError(f"an out-of-band block of {count} buffers overruns a {end}-byte frame")
+    sizes = struct.unpack_from(f"!{count}Q", payload, at)
+    at += 8 * count
+    view, buffers = memoryview(payload), []
+    for size in sizes:
+        if at + size > end:
+            raise ProtocolError(f"an out-of-band buffer of {size} bytes at byte {at} overruns a {end}-byte frame")
+        buffers.append(view[at:at + size])
+        at += size
+    return buffers, at
 
 
 class _FrameReader:
@@ -79,6 +128,9 @@ class _FrameReader:
     def tell(self) -> int:
         return self.pos
 
+    def seek(self, pos: int) -> None:
+        self.pos = pos
+
 
 _IN_PLACE = 1 << 20  # frames from this size on are read in place; smaller ones through io.BytesIO (faster per call)
 
@@ -88,9 +140,16 @@ def decode(payload) -> Iterator:
     stream = io.BytesIO(payload) if len(payload) < _IN_PLACE else _FrameReader(payload)
     end = len(payload)
     load = pickle.load
-    while stream.tell() < end:  # each message is its own pickle, with its own memo
+    while (at := stream.tell()) < end:  # each message is its own pickle, with its own memo
         try:
-            msg = load(stream)
+            if payload[at] == 0:  # its buffers come first (encode_parts): views of the frame, not copies
+                buffers, at = _buffers_beside(payload, at)
+                stream.seek(at)
+                msg = load(stream, buffers=buffers)
+            else:
+                msg = load(stream)
+        except ProtocolError:
+            raise
         except Exception as e:  # truncated or corrupt pickle: the peer broke the protocol
             raise ProtocolError(f"undecodable message at byte {stream.tell()} of a {end}-byte frame: "
                                 f"{type(e).__name__}: {e}") from e
@@ -218,7 +277,15 @@ class Connection:
             self.sock.sendall(payload)
 
     def send_messages(self, msgs: Iterable) -> None:
-        self.send_payload(b"".join(encode(m) for m in msgs))
+        parts = [part for msg in msgs for part in encode_parts(msg)]
+        if all(type(part) is bytes for part in parts):  # no buffer beside a pickle: one piece
+            return self.send_payload(parts[0] if len(parts) == 1 else b"".join(parts))
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        self.sock.sendall(FRAME_HEADER.pack(MAGIC, sum(memoryview(p).nbytes for p in parts), crc))
+        for part in parts:  # a big buffer goes from where it lies (a tensor's memory) into the socket
+            self.sock.sendall(part)
 
     def send_control(self, msg) -> None:
         """A control frame for a relay (pickled ``msg``)."""

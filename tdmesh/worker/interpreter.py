@@ -8,7 +8,6 @@ silently, because the client's dataflow history already knows they depend on the
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 import time
 import traceback
@@ -19,6 +18,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import messages as m
+from ..codec import pickle_value
 from ..errors import ProtocolViolation, RecordingError
 from . import collectives
 from .borrows import Borrows
@@ -256,7 +256,7 @@ class Interpreter:
                 value = args[0]
             else:
                 value = fn(*args, **kwargs)
-            payload = pickle.dumps(tree_map(to_fetchable, value), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle_value(tree_map(to_fetchable, value))  # big tensors beside the pickle, not in it
         except DependentOnError as e:
             self._poison(env, (), msg.mutates, e.poison)
             self.send(m.FetchResult(msg.seq, None, m.DependentError(e.poison.seq), self.rank))

@@ -14,14 +14,27 @@ from __future__ import annotations
 
 import io
 import pickletools
+import struct
 
 _MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
 
 
-def _pickles_bomb(stream: io.BytesIO, end: int) -> bool:
-    """True if a pickle read from ``stream`` (until ``end``) names a memo index beyond its bytes."""
+def _pickles_bomb(payload: bytes) -> bool:
+    """True if a pickle of the run in ``payload`` names a memo index beyond its bytes."""
+    stream, end = io.BytesIO(payload), len(payload)
     while stream.tell() < end:
         start = stream.tell()
+        if payload[start] == 0:  # an out-of-band block (transport.encode_parts): its pickle follows the buffers
+            if start + 5 > end:
+                return False
+            count = struct.unpack_from("!I", payload, start + 1)[0]
+            if start + 5 + 8 * count > end:
+                return False
+            sizes = struct.unpack_from(f"!{count}Q", payload, start + 5)
+            start += 5 + 8 * count + sum(sizes)
+            if start > end:
+                return False
+            stream.seek(start)
         try:
             for op, arg, _ in pickletools.genops(stream):
                 if op.name in _MEMO_PUTS and int(arg) > end - start:
@@ -33,7 +46,7 @@ def _pickles_bomb(stream: io.BytesIO, end: int) -> bool:
 
 def upstream_bomb(payload: bytes) -> bool:
     """An upstream payload (a run of pickles) that would trip the C unpickler."""
-    return _pickles_bomb(io.BytesIO(payload), len(payload))
+    return _pickles_bomb(bytes(payload))
 
 
 def downstream_bomb(payload: bytes) -> bool:

@@ -25,7 +25,17 @@ from tdmesh import messages as m
 from tdmesh import schema
 from tdmesh.errors import ProtocolError, ProtocolViolation
 from tdmesh.slice import Slice
-from tdmesh.transport import DEFINE_SET, ENTRY, FRAME_HEADER, Connection, RankFilter, decode, encode, entries
+from tdmesh.transport import (
+    DEFINE_SET,
+    ENTRY,
+    FRAME_HEADER,
+    Connection,
+    RankFilter,
+    decode,
+    encode,
+    encode_parts,
+    entries,
+)
 
 FUZZ = settings(max_examples=150, deadline=2000, database=None)
 WIRE_RECORDS = m.CLIENT_TO_WORKER + m.WORKER_TO_CLIENT + m.RELAY_CONTROL
@@ -42,7 +52,7 @@ ACCEPTED_TYPES = {
     schema.TUPLE: {tuple}, schema.ARGS: {tuple, bytes}, schema.KWARGS: {dict}, schema.SLICE: {Slice},
     schema.OPT_SLICE: {Slice, None}, schema.FACTORY: {tuple}, schema.FACTORIES: {tuple},
     schema.PROCESS_GROUPS: {tuple}, schema.OPT_BYTES: {bytes, None}, schema.COMMANDS: {tuple}, schema.HELLOS: {tuple},
-    schema.OPT_DEPENDENT_ERROR: {m.DependentError, None}, schema.NONCE: {bytes},
+    schema.OPT_DEPENDENT_ERROR: {m.DependentError, None}, schema.NONCE: {bytes}, schema.FETCHED: {bytes, tuple, None},
 }
 
 # values of many types: a field replaced by one whose type its kind does not accept must be refused
@@ -199,6 +209,12 @@ def test_a_fetch_result_may_leave_its_rank_to_the_connection():
     schema.check_worker_message(m.FetchResult(1, b"x", None, -1), FLEET)
 
 
+def test_a_fetch_result_may_carry_its_big_buffers_beside_its_pickle_and_nothing_else():
+    schema.check_worker_message(m.FetchResult(1, (b"pickle", memoryview(bytearray(4))), None, 0), FLEET)
+    for value in ((b"pickle",), (b"pickle", b"not a view"), ("pickle", memoryview(b"x")), (memoryview(b"x"),)):
+        assert "a FetchResult whose value is tuple" in refused(m.FetchResult(1, value, None, 0))
+
+
 def test_a_status_whose_rank_is_a_string_is_refused_before_the_history_sees_it():
     assert "a Status whose rank is str 'one'" in refused(m.Status("one", 3))
 
@@ -216,6 +232,9 @@ def client_reads(payload: bytes) -> list | None:
     return schema.worker_messages(payload, FLEET)
 
 
+# a fetch result whose (here small) buffers travel beside its pickle, as a big tensor's do
+BESIDE = b"".join(encode_parts(m.FetchResult(7, (b"value", pickle.PickleBuffer(bytearray(b"0123456789" * 4))), None, 1),
+                               out_of_band=16))
 DOWNSTREAM_MESSAGES = [SAMPLES[cls] for cls in m.CLIENT_TO_WORKER] + [tuple(SAMPLES[m.CallOp])]
 DOWNSTREAM = entries(DOWNSTREAM_MESSAGES)
 UPSTREAM = b"".join(encode(SAMPLES[cls]) for cls in m.WORKER_TO_CLIENT)
@@ -237,6 +256,22 @@ def test_the_sample_frames_read_back_whole():
     assert len(worker_reads(DOWNSTREAM)) == len(m.CLIENT_TO_WORKER) + 1
     assert client_reads(UPSTREAM) == [SAMPLES[cls] for cls in m.WORKER_TO_CLIENT]
     assert client_reads(None) is None
+    status, (fetched,) = client_reads(UPSTREAM + BESIDE)[:-1], client_reads(BESIDE)
+    assert status == [SAMPLES[cls] for cls in m.WORKER_TO_CLIENT]
+    assert fetched.value[0] == b"value" and bytes(fetched.value[1]) == b"0123456789" * 4
+
+
+@pytest.mark.parametrize("change", ["count", "size", "cut"])
+def test_a_broken_out_of_band_block_is_refused(change):
+    broken = bytearray(BESIDE)
+    if change == "count":
+        broken[1:5] = (1 << 30).to_bytes(4, "big")      # more sizes than the frame holds
+    elif change == "size":
+        broken[5:13] = (1 << 40).to_bytes(8, "big")     # a buffer bigger than the frame
+    else:
+        broken = broken[:3]
+    with pytest.raises(ProtocolError, match="out-of-band"):
+        client_reads(bytes(broken))
 
 
 def only_protocol_errors(read, payload: bytes) -> None:
@@ -276,7 +311,8 @@ def flipped(data, frame: bytes) -> bytes:
 @FUZZ
 @given(st.data())
 def test_flipped_bytes_give_only_protocol_errors(data):
-    for frame, read, bomb in ((DOWNSTREAM, worker_reads, downstream_bomb), (UPSTREAM, client_reads, upstream_bomb)):
+    for frame, read, bomb in ((DOWNSTREAM, worker_reads, downstream_bomb), (UPSTREAM, client_reads, upstream_bomb),
+                              (BESIDE + UPSTREAM, client_reads, upstream_bomb)):
         corrupt = flipped(data, frame)
         assume(not bomb(corrupt))
         only_protocol_errors(read, corrupt)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pickle_bombs import upstream_bomb
 
 from tdmesh import messages as m
+from tdmesh import transport
 from tdmesh.transport import FRAME_HEADER, MAGIC, Connection, ProtocolError, checksum, decode, encode
 
 HEADER = FRAME_HEADER
@@ -218,6 +219,38 @@ def test_huge_declared_length_is_refused_at_once(pair):
     pair[0].sendall(HEADER.pack(MAGIC, 1 << 63, 0))
     with pytest.raises(ProtocolError, match="exceeds"):
         rx.recv_payload()
+
+
+def test_a_big_buffer_travels_beside_its_pickle_and_is_read_in_place(pair):
+    """A fetched tensor's bytes: sent from the tensor's memory, decoded as a view of the frame
+    that was received (no copy on either side's pickle), and made a tensor over that view."""
+    import torch
+
+    from tdmesh.codec import pack_tensor, pickle_value, unpack_tensor, unpickle_value
+    from tdmesh.transport import OUT_OF_BAND
+    t = torch.arange(OUT_OF_BAND // 4 + 5, dtype=torch.float32)
+    wire = pickle_value({"t": pack_tensor(t), "small": pack_tensor(torch.ones(3))})
+    assert type(wire) is tuple and len(wire) == 2 and len(wire[0]) < 1000  # only the big tensor's bytes left out
+    tx, rx = conns(pair)
+    sender = threading.Thread(target=tx.send_messages, args=([m.Status(0, 1), m.FetchResult(3, wire, None, 0)],))
+    sender.start()
+    payload = rx.recv_payload()
+    sender.join()
+    status, fetched = decode(payload)
+    assert status == m.Status(0, 1)
+    pickled, beside = fetched.value
+    assert type(beside) is memoryview and beside.obj is payload     # a view of the received frame
+    value = unpickle_value(fetched.value)
+    back = unpack_tensor(value["t"])
+    assert torch.equal(back, t) and torch.equal(unpack_tensor(value["small"]), torch.ones(3))
+    import ctypes
+    start = ctypes.addressof(ctypes.c_char.from_buffer(payload))
+    assert start <= back.data_ptr() < start + len(payload)           # the tensor is made over the frame
+
+
+def test_messages_without_big_buffers_are_one_pickle_each():
+    parts = transport.encode_parts(m.FetchResult(1, (b"p", pickle.PickleBuffer(bytearray(100))), None, 0))
+    assert len(parts) == 1 and parts[0][0] == pickle.PROTO[0]
 
 
 @pytest.mark.parametrize("at", [0, 1, 17, -1])
