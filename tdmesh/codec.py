@@ -80,7 +80,7 @@ def pickle_value(value):
     the tensors' memory (``transport.encode_parts``) and the client to read in place."""
     import pickle
 
-    from .transport import big_buffers_into
+    from .bulk import big_buffers_into
     buffers: list = []
     data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=big_buffers_into(buffers))
     return (data, *buffers) if buffers else data

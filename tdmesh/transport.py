@@ -1,16 +1,18 @@
 """Framed connections between the client and its workers.
 
-A frame is ``MAGIC | u64 length | u32 CRC-32 of the payload | payload``.  Upstream (worker -> client) the payload is a
-run of pickles, one per message.  Downstream (client -> workers) it is a run of *entries*,
-``u32 rank set | u32 length | pickle``: the client pickles each message once and sends the
-same frame to every child (a worker, or a host's relay that forwards it unchanged), and each
-worker keeps the entries of the rank sets it belongs to (:class:`RankFilter`).  A frame's size
-never depends on how many ranks receive it.  Relays also get control frames of their own
-(``RELAY_MAGIC``).  Frames over ``max_frame`` bytes or with a bad magic are refused: the peer
-is not one of ours.  A frame whose checksum does not match was damaged on its way and is
-refused before anything in it is unpickled: CPython's C unpickler can spend minutes and
-gigabytes on a few damaged bytes (a memo index read from the middle of a string allocates
-16 bytes per unit of the index; CPython issue gh-115952), so damaged bytes must never reach it.
+A frame is ``MAGIC | u64 length | u32 CRC-32 of the payload | payload``.  Upstream (worker ->
+client) the payload is a run of pickles, one per message; a message holding big buffers (a
+fetched tensor's bytes) makes it a bulk frame, whose buffers follow the messages unpickled and
+outside the checksum (:mod:`tdmesh.bulk`).  Downstream (client -> workers) it is a run of
+*entries*, ``u32 rank set | u32 length | pickle``: the client pickles each message once and
+sends the same frame to every child (a worker, or a host's relay that forwards it unchanged),
+and each worker keeps the entries of the rank sets it belongs to (:class:`RankFilter`).  A
+frame's size never depends on how many ranks receive it.  Relays also get control frames of
+their own (``RELAY_MAGIC``).  Frames over ``max_frame`` bytes or with a bad magic are refused:
+the peer is not one of ours.  A frame whose checksum does not match was damaged on its way and
+is refused before anything in it is unpickled: CPython's C unpickler can spend minutes and
+gigabytes on a few damaged bytes (a memo index read from the middle of a string allocates 16
+bytes per unit of the index; CPython issue gh-115952), so damaged bytes must never reach it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import pickle
 import socket
 import struct
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from . import messages as m
+from .bulk import BULK_MAGIC, BulkFrame, covered, frame_parts, reader, split, take_block
 from .config import env_int
 from .errors import ProtocolError
 from .security import client_tls
@@ -30,8 +33,7 @@ from .slice import Slice
 
 __all__ = ["MAGIC", "RELAY_MAGIC", "DEFAULT_MAX_FRAME", "Connection", "ProtocolError", "connect", "decode",
            "encode", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter", "decode_hello", "decode_restricted",
-           "hello_ranks", "checksum", "FRAME_HEADER", "encode_parts", "OUT_OF_BAND",
-           "big_buffers_into"]
+           "hello_ranks", "checksum", "FRAME_HEADER"]
 
 MAGIC = b"TDM1"
 RELAY_MAGIC = b"TDMR"  # a frame for the relay itself (its configuration), not forwarded to workers
@@ -52,98 +54,16 @@ def encode(msg) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-OUT_OF_BAND = 1 << 20  # PickleBuffers from this size on travel beside their message's pickle, not inside it
-_BESIDE = struct.Struct("!BI")  # 0 (no pickle starts so) | how many buffers; then u64 sizes, the buffers, the pickle
-
-
-def big_buffers_into(buffers: list, limit: int = OUT_OF_BAND) -> Callable[[pickle.PickleBuffer], bool]:
-    """A pickle ``buffer_callback`` that leaves PickleBuffers of ``limit`` bytes or more out of
-    the pickle (answering False), collected into ``buffers``, and keeps smaller ones in it."""
-    def keep_in_band(buffer: pickle.PickleBuffer) -> bool:
-        if buffer.raw().nbytes < limit:
-            return True
-        buffers.append(buffer)
-        return False
-    return keep_in_band
-
-
-def encode_parts(msg, out_of_band: int = OUT_OF_BAND) -> list:
-    """One message as the pieces that go into a frame: its pickle, or, when it holds
-    PickleBuffers of ``out_of_band`` bytes or more (a fetched tensor's memory), ``0 | count |
-    sizes``, those buffers as they are, then the pickle.  Sent piece by piece and read in place
-    (:func:`decode`), a big buffer is copied by neither side's pickle."""
-    buffers: list = []
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=big_buffers_into(buffers, out_of_band))
-    if not buffers:
-        return [data]
-    raws = [b.raw() for b in buffers]
-    return [_BESIDE.pack(0, len(raws)) + struct.pack(f"!{len(raws)}Q", *(r.nbytes for r in raws)), *raws, data]
-
-
-def _buffers_beside(payload, at: int) -> tuple[list, int]:
-    """The buffers of the out-of-band block at ``at``, as views of ``payload``, and where its pickle starts."""
-    end = len(payload)
-    if at + _BESIDE.size > end:
-        raise ProtocolError(f"an out-of-band block at byte {at} of a {end}-byte frame is cut short")
-    _, count = _BESIDE.unpack_from(payload, at)
-    at += _BESIDE.size
-    if at + 8 * count > end:
-        raise ProtocolError(f"an out-of-band block of {count} buffers overruns a {end}-byte frame")
-    sizes = struct.unpack_from(f"!{count}Q", payload, at)
-    at += 8 * count
-    view, buffers = memoryview(payload), []
-    for size in sizes:
-        if at + size > end:
-            raise ProtocolError(f"an out-of-band buffer of {size} bytes at byte {at} overruns a {end}-byte frame")
-        buffers.append(view[at:at + size])
-        at += size
-    return buffers, at
-
-
-class _FrameReader:
-    """A file over a received frame that reads out of it in place: ``io.BytesIO`` copies a
-    bytearray whole first, which for a big fetch costs as much as any other copy of it."""
-
-    def __init__(self, buf) -> None:
-        self.buf = buf
-        self.view = memoryview(buf)
-        self.pos = 0
-
-    def read(self, n: int = -1) -> bytes:
-        end = len(self.view) if n < 0 else min(len(self.view), self.pos + n)
-        out = bytes(self.view[self.pos:end])
-        self.pos = end
-        return out
-
-    def readinto(self, b) -> int:
-        n = min(len(b), len(self.view) - self.pos)
-        memoryview(b).cast("B")[:n] = self.view[self.pos:self.pos + n]
-        self.pos += n
-        return n
-
-    def readline(self) -> bytes:
-        end = self.buf.find(b"\n", self.pos)
-        return self.read(-1 if end < 0 else end + 1 - self.pos)
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int) -> None:
-        self.pos = pos
-
-
-_IN_PLACE = 1 << 20  # frames from this size on are read in place; smaller ones through io.BytesIO (faster per call)
-
-
 def decode(payload) -> Iterator:
-    """The messages of one frame payload, in order."""
-    stream = io.BytesIO(payload) if len(payload) < _IN_PLACE else _FrameReader(payload)
-    end = len(payload)
+    """The messages of one frame payload, in order (a :class:`BulkFrame`'s with their buffers)."""
+    structure, bulk = split(payload)
+    stream = reader(structure)
+    end, taken = len(structure), 0
     load = pickle.load
     while (at := stream.tell()) < end:  # each message is its own pickle, with its own memo
         try:
-            if payload[at] == 0:  # its buffers come first (encode_parts): views of the frame, not copies
-                buffers, at = _buffers_beside(payload, at)
+            if structure[at] == 0:  # a message whose big buffers are in the bulk: views of it, not copies
+                buffers, at, taken = take_block(structure, at, bulk, taken)
                 stream.seek(at)
                 msg = load(stream, buffers=buffers)
             else:
@@ -154,6 +74,8 @@ def decode(payload) -> Iterator:
             raise ProtocolError(f"undecodable message at byte {stream.tell()} of a {end}-byte frame: "
                                 f"{type(e).__name__}: {e}") from e
         yield msg
+    if taken != len(bulk):
+        raise ProtocolError(f"{len(bulk) - taken} bytes of a frame's bulk belong to no message")
 
 
 def entries(msgs: Iterable, set_id: int = ALL_RANKS) -> bytes:
@@ -267,24 +189,23 @@ class Connection:
         return self.sock.fileno()
 
     def send_payload(self, payload: bytes | bytearray | memoryview, checksum: int | None = None) -> None:
-        """One frame of ``payload``; ``checksum`` (its CRC-32), when a caller sending the same
-        payload to many peers has computed it once."""
-        header = FRAME_HEADER.pack(MAGIC, len(payload), zlib.crc32(payload) if checksum is None else checksum)
-        if len(payload) < 65536:
-            self.sock.sendall(header + bytes(payload))
-        else:
-            self.sock.sendall(header)
-            self.sock.sendall(payload)
+        """One frame of ``payload`` (a received :class:`BulkFrame` goes on as one); ``checksum``
+        when a caller sending the same payload to many peers, or forwarding it, has it already."""
+        if type(payload) is BulkFrame:
+            return self._send(BULK_MAGIC, [payload], zlib.crc32(covered(payload)) if checksum is None else checksum)
+        self._send(MAGIC, [payload], zlib.crc32(payload) if checksum is None else checksum)
 
     def send_messages(self, msgs: Iterable) -> None:
-        parts = [part for msg in msgs for part in encode_parts(msg)]
-        if all(type(part) is bytes for part in parts):  # no buffer beside a pickle: one piece
-            return self.send_payload(parts[0] if len(parts) == 1 else b"".join(parts))
-        crc = 0
-        for part in parts:
-            crc = zlib.crc32(part, crc)
-        self.sock.sendall(FRAME_HEADER.pack(MAGIC, sum(memoryview(p).nbytes for p in parts), crc))
-        for part in parts:  # a big buffer goes from where it lies (a tensor's memory) into the socket
+        is_bulk, parts, checksum = frame_parts(msgs)
+        self._send(BULK_MAGIC if is_bulk else MAGIC, parts, checksum)
+
+    def _send(self, magic: bytes, parts: list, checksum: int) -> None:
+        header = FRAME_HEADER.pack(magic, sum(memoryview(p).nbytes for p in parts), checksum)
+        if len(parts) == 1 and len(parts[0]) < 65536:
+            self.sock.sendall(header + bytes(parts[0]))
+            return
+        self.sock.sendall(header)
+        for part in parts:  # a bulk buffer goes from where it lies (a tensor's memory) into the socket
             self.sock.sendall(part)
 
     def send_control(self, msg) -> None:
@@ -298,21 +219,23 @@ class Connection:
         return None if frame is None else frame[1]
 
     def recv_frame(self, magics: tuple[bytes, ...] = (MAGIC,)) -> tuple[bytes, bytearray] | None:
-        """The next frame as (magic, payload); ``None`` on a clean close between frames."""
+        """The next frame as (magic, payload); ``None`` on a clean close between frames.  Where
+        ``MAGIC`` is expected a bulk frame may come too (magic ``MAGIC``, payload a BulkFrame)."""
         header = self._recv_exact(FRAME_HEADER.size, allow_eof=True)
         if header is None:
             return None
         magic, length, checksum = FRAME_HEADER.unpack(header)
-        if magic not in magics:
+        bulk = magic == BULK_MAGIC and MAGIC in magics
+        if magic not in magics and not bulk:
             raise ProtocolError(f"bad frame magic {magic!r} (expected {MAGIC!r}): not a tdmesh peer")
         if length > self.max_frame:
             raise ProtocolError(f"frame of {length} bytes exceeds the limit of {self.max_frame} bytes")
-        payload = self._recv_exact(length, allow_eof=False)
+        payload = self._recv_exact(length, allow_eof=False, into=BulkFrame if bulk else bytearray)
         assert payload is not None
-        if zlib.crc32(payload) != checksum:
+        if zlib.crc32(covered(payload)) != checksum:
             raise ProtocolError(f"a {length}-byte frame failed its checksum: it was damaged on its way")
         self.last_checksum = checksum
-        return magic, payload
+        return MAGIC if bulk else magic, payload
 
     def recv_payloads(self) -> list[bytearray] | None:
         """The next frame's payload, and those of every later frame TLS has already read in (a
@@ -336,8 +259,8 @@ class Connection:
         pending = getattr(self.sock, "pending", None)
         return pending() if pending is not None else 0
 
-    def _recv_exact(self, n: int, allow_eof: bool) -> bytearray | None:
-        buf = bytearray(n)
+    def _recv_exact(self, n: int, allow_eof: bool, into: type = bytearray) -> bytearray | None:
+        buf = into(n)
         view = memoryview(buf)
         got = 0
         while got < n:

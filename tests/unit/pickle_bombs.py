@@ -24,14 +24,11 @@ def _pickles_bomb(payload: bytes) -> bool:
     stream, end = io.BytesIO(payload), len(payload)
     while stream.tell() < end:
         start = stream.tell()
-        if payload[start] == 0:  # an out-of-band block (transport.encode_parts): its pickle follows the buffers
+        if payload[start] == 0:  # a block (tdmesh.bulk): 0 | count | sizes, then the message's pickle
             if start + 5 > end:
                 return False
             count = struct.unpack_from("!I", payload, start + 1)[0]
-            if start + 5 + 8 * count > end:
-                return False
-            sizes = struct.unpack_from(f"!{count}Q", payload, start + 5)
-            start += 5 + 8 * count + sum(sizes)
+            start += 5 + 8 * count
             if start > end:
                 return False
             stream.seek(start)
@@ -45,7 +42,11 @@ def _pickles_bomb(payload: bytes) -> bool:
 
 
 def upstream_bomb(payload: bytes) -> bool:
-    """An upstream payload (a run of pickles) that would trip the C unpickler."""
+    """An upstream payload (a run of pickles; a bulk frame's messages) that would trip the C unpickler."""
+    from tdmesh.bulk import BulkFrame
+    if type(payload) is BulkFrame:
+        n = struct.unpack_from("!Q", payload)[0] if len(payload) >= 8 else 0
+        return _pickles_bomb(bytes(payload[8:8 + n]))
     return _pickles_bomb(bytes(payload))
 
 

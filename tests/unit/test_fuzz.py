@@ -23,19 +23,10 @@ from test_messages import SAMPLES
 
 from tdmesh import messages as m
 from tdmesh import schema
+from tdmesh.bulk import BulkFrame, covered, frame_parts
 from tdmesh.errors import ProtocolError, ProtocolViolation
 from tdmesh.slice import Slice
-from tdmesh.transport import (
-    DEFINE_SET,
-    ENTRY,
-    FRAME_HEADER,
-    Connection,
-    RankFilter,
-    decode,
-    encode,
-    encode_parts,
-    entries,
-)
+from tdmesh.transport import DEFINE_SET, ENTRY, FRAME_HEADER, Connection, RankFilter, decode, encode, entries
 
 FUZZ = settings(max_examples=150, deadline=2000, database=None)
 WIRE_RECORDS = m.CLIENT_TO_WORKER + m.WORKER_TO_CLIENT + m.RELAY_CONTROL
@@ -233,8 +224,18 @@ def client_reads(payload: bytes) -> list | None:
 
 
 # a fetch result whose (here small) buffers travel beside its pickle, as a big tensor's do
-BESIDE = b"".join(encode_parts(m.FetchResult(7, (b"value", pickle.PickleBuffer(bytearray(b"0123456789" * 4))), None, 1),
-                               out_of_band=16))
+BULK_VALUE = b"0123456789" * 4
+
+
+def bulk_frame(msgs) -> BulkFrame:
+    is_bulk, parts, _ = frame_parts(msgs, out_of_band=16)
+    assert is_bulk
+    return BulkFrame(b"".join(parts))
+
+
+BULK = bulk_frame([SAMPLES[m.Status], m.FetchResult(7, (b"value", pickle.PickleBuffer(bytearray(BULK_VALUE))), None, 1),
+                   SAMPLES[m.Heartbeat]])
+BULK_START = len(covered(BULK))  # where its bulk starts
 DOWNSTREAM_MESSAGES = [SAMPLES[cls] for cls in m.CLIENT_TO_WORKER] + [tuple(SAMPLES[m.CallOp])]
 DOWNSTREAM = entries(DOWNSTREAM_MESSAGES)
 UPSTREAM = b"".join(encode(SAMPLES[cls]) for cls in m.WORKER_TO_CLIENT)
@@ -256,22 +257,31 @@ def test_the_sample_frames_read_back_whole():
     assert len(worker_reads(DOWNSTREAM)) == len(m.CLIENT_TO_WORKER) + 1
     assert client_reads(UPSTREAM) == [SAMPLES[cls] for cls in m.WORKER_TO_CLIENT]
     assert client_reads(None) is None
-    status, (fetched,) = client_reads(UPSTREAM + BESIDE)[:-1], client_reads(BESIDE)
-    assert status == [SAMPLES[cls] for cls in m.WORKER_TO_CLIENT]
-    assert fetched.value[0] == b"value" and bytes(fetched.value[1]) == b"0123456789" * 4
+    status, fetched, beat = client_reads(BULK)
+    assert (status, beat) == (SAMPLES[m.Status], SAMPLES[m.Heartbeat])
+    assert fetched.value[0] == b"value" and bytes(fetched.value[1]) == BULK_VALUE
+    assert fetched.value[1].obj is BULK  # a view of the frame, not a copy
 
 
-@pytest.mark.parametrize("change", ["count", "size", "cut"])
-def test_a_broken_out_of_band_block_is_refused(change):
-    broken = bytearray(BESIDE)
+@pytest.mark.parametrize("change", ["count", "size", "left over", "no bulk", "cut"])
+def test_a_broken_bulk_frame_is_refused(change):
+    at = 8 + len(encode(SAMPLES[m.Status]))  # the FetchResult's block: 0 | count 1 | its size
+    assert BULK[at:at + 5] == bytes([0, 0, 0, 0, 1])
+    broken = bytearray(BULK)
     if change == "count":
-        broken[1:5] = (1 << 30).to_bytes(4, "big")      # more sizes than the frame holds
+        broken[at + 1:at + 5] = (1 << 30).to_bytes(4, "big")    # more sizes than the frame holds
     elif change == "size":
-        broken[5:13] = (1 << 40).to_bytes(8, "big")     # a buffer bigger than the frame
+        broken[at + 5:at + 13] = (1 << 40).to_bytes(8, "big")   # a buffer bigger than the bulk
+    elif change == "left over":
+        broken += b"!"                                          # bulk bytes no message takes
+    elif change == "no bulk":
+        broken = bytearray(covered(BULK)[8:])                   # a block in a frame that has no bulk
     else:
-        broken = broken[:3]
-    with pytest.raises(ProtocolError, match="out-of-band"):
-        client_reads(bytes(broken))
+        broken[:8] = (len(BULK)).to_bytes(8, "big")             # more messages declared than the frame holds
+    payload = broken if change == "no bulk" else BulkFrame(broken)
+    with pytest.raises(ProtocolError, match="out-of-band|bulk"):
+        covered(payload)  # what the connection checks before the checksum
+        client_reads(payload)
 
 
 def only_protocol_errors(read, payload: bytes) -> None:
@@ -300,19 +310,19 @@ def test_frames_cut_inside_a_message_are_refused(down, up):
         client_reads(UPSTREAM[:up])
 
 
-def flipped(data, frame: bytes) -> bytes:
-    """``frame`` with up to four of its bytes changed."""
+def flipped(data, frame, end: int | None = None):
+    """``frame`` (of its own type) with up to four of its bytes before ``end`` changed."""
     corrupt = bytearray(frame)
-    for i in data.draw(st.lists(st.integers(0, len(frame) - 1), min_size=1, max_size=4)):
+    for i in data.draw(st.lists(st.integers(0, (end or len(frame)) - 1), min_size=1, max_size=4)):
         corrupt[i] = data.draw(st.integers(0, 255))
-    return bytes(corrupt)
+    return BulkFrame(corrupt) if type(frame) is BulkFrame else bytes(corrupt)
 
 
 @FUZZ
 @given(st.data())
 def test_flipped_bytes_give_only_protocol_errors(data):
     for frame, read, bomb in ((DOWNSTREAM, worker_reads, downstream_bomb), (UPSTREAM, client_reads, upstream_bomb),
-                              (BESIDE + UPSTREAM, client_reads, upstream_bomb)):
+                              (BULK, client_reads, upstream_bomb)):
         corrupt = flipped(data, frame)
         assume(not bomb(corrupt))
         only_protocol_errors(read, corrupt)
@@ -325,18 +335,36 @@ def test_a_frame_damaged_on_its_way_is_refused_before_it_is_unpickled(data):
     memo-bomb cases left out above included."""
     a, b = socket.socketpair()
     try:
-        for frame in (DOWNSTREAM, UPSTREAM):
+        for frame, end in ((DOWNSTREAM, None), (UPSTREAM, None), (BULK, BULK_START)):  # a bulk frame: its messages
             Connection(a).send_payload(frame)
             header = b.recv(FRAME_HEADER.size, socket.MSG_WAITALL)
             body = b.recv(len(frame), socket.MSG_WAITALL)
-            corrupt = flipped(data, body)
+            corrupt = flipped(data, body, end)
             a.sendall(header + corrupt)
             rx = Connection(b)
             if corrupt == frame:
                 assert rx.recv_payload() == frame
                 continue
-            with pytest.raises(ProtocolError, match="failed its checksum"):
-                rx.recv_payload()
+            with pytest.raises(ProtocolError, match="failed its checksum|bulk frame of .* declares"):
+                rx.recv_payload()  # (a bulk frame's length of messages is checked before the checksum it bounds)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_damage_to_a_bulk_frames_bulk_changes_the_values_it_carries_and_nothing_else():
+    """The bulk (tensors' bytes) is outside the checksum, by design (tdmesh/bulk.py): a changed
+    byte there arrives as a changed value, as on any TCP transfer; the messages are intact."""
+    a, b = socket.socketpair()
+    try:
+        Connection(a).send_payload(BULK)
+        header = b.recv(FRAME_HEADER.size, socket.MSG_WAITALL)
+        body = bytearray(b.recv(len(BULK), socket.MSG_WAITALL))
+        body[BULK_START] ^= 0xFF
+        a.sendall(header + body)
+        status, fetched, beat = schema.received_messages(Connection(b), FLEET)
+        assert (status, beat) == (SAMPLES[m.Status], SAMPLES[m.Heartbeat]) and fetched.value[0] == b"value"
+        assert bytes(fetched.value[1]) == bytes([BULK_VALUE[0] ^ 0xFF]) + BULK_VALUE[1:]
     finally:
         a.close()
         b.close()

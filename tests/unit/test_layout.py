@@ -15,7 +15,7 @@ ROOT = os.path.join(REPO, "tdmesh")
 # the error types.
 WORKER_MAY_IMPORT = {"tdmesh.messages", "tdmesh.schema", "tdmesh.codec", "tdmesh.transport", "tdmesh.security",
                      "tdmesh.handshake", "tdmesh.relay", "tdmesh.fanout", "tdmesh.config", "tdmesh.rendezvous",
-                     "tdmesh.grouping", "tdmesh.slice", "tdmesh.shape", "tdmesh.errors"}
+                     "tdmesh.grouping", "tdmesh.slice", "tdmesh.shape", "tdmesh.errors", "tdmesh.bulk"}
 MAX_LINES = 400
 
 

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from pickle_bombs import upstream_bomb
 
 from tdmesh import messages as m
-from tdmesh import transport
 from tdmesh.transport import FRAME_HEADER, MAGIC, Connection, ProtocolError, checksum, decode, encode
 
 HEADER = FRAME_HEADER
@@ -221,13 +220,16 @@ def test_huge_declared_length_is_refused_at_once(pair):
         rx.recv_payload()
 
 
-def test_a_big_buffer_travels_beside_its_pickle_and_is_read_in_place(pair):
-    """A fetched tensor's bytes: sent from the tensor's memory, decoded as a view of the frame
-    that was received (no copy on either side's pickle), and made a tensor over that view."""
+def test_a_big_buffer_travels_in_a_bulk_frame_and_is_read_in_place(pair):
+    """A fetched tensor's bytes: sent from the tensor's memory after the frame's messages,
+    decoded as a view of the frame that was received (no pickle copies them on either side),
+    and made a tensor over that view."""
+    import ctypes
+
     import torch
 
+    from tdmesh.bulk import OUT_OF_BAND, BulkFrame
     from tdmesh.codec import pack_tensor, pickle_value, unpack_tensor, unpickle_value
-    from tdmesh.transport import OUT_OF_BAND
     t = torch.arange(OUT_OF_BAND // 4 + 5, dtype=torch.float32)
     wire = pickle_value({"t": pack_tensor(t), "small": pack_tensor(torch.ones(3))})
     assert type(wire) is tuple and len(wire) == 2 and len(wire[0]) < 1000  # only the big tensor's bytes left out
@@ -236,6 +238,7 @@ def test_a_big_buffer_travels_beside_its_pickle_and_is_read_in_place(pair):
     sender.start()
     payload = rx.recv_payload()
     sender.join()
+    assert type(payload) is BulkFrame and len(payload) < t.numel() * 4 + 1000
     status, fetched = decode(payload)
     assert status == m.Status(0, 1)
     pickled, beside = fetched.value
@@ -243,14 +246,28 @@ def test_a_big_buffer_travels_beside_its_pickle_and_is_read_in_place(pair):
     value = unpickle_value(fetched.value)
     back = unpack_tensor(value["t"])
     assert torch.equal(back, t) and torch.equal(unpack_tensor(value["small"]), torch.ones(3))
-    import ctypes
     start = ctypes.addressof(ctypes.c_char.from_buffer(payload))
     assert start <= back.data_ptr() < start + len(payload)           # the tensor is made over the frame
 
 
-def test_messages_without_big_buffers_are_one_pickle_each():
-    parts = transport.encode_parts(m.FetchResult(1, (b"p", pickle.PickleBuffer(bytearray(100))), None, 0))
-    assert len(parts) == 1 and parts[0][0] == pickle.PROTO[0]
+def test_a_bulk_frame_is_forwarded_whole_with_its_checksum(pair):
+    """What a relay does with a fetch result from one of its ranks."""
+    from tdmesh.bulk import BulkFrame, frame_parts
+    is_bulk, parts, crc = frame_parts([m.FetchResult(1, (b"p", pickle.PickleBuffer(bytearray(64))), None, 0)],
+                                      out_of_band=16)
+    assert is_bulk
+    tx, rx = conns(pair)
+    tx.send_payload(BulkFrame(b"".join(parts)), crc)
+    got = rx.recv_payload()
+    assert type(got) is BulkFrame and rx.last_checksum == crc
+    (fetched,) = decode(got)
+    assert bytes(fetched.value[1]) == bytes(64)
+
+
+def test_messages_without_big_buffers_make_a_plain_frame():
+    from tdmesh.bulk import frame_parts
+    is_bulk, parts, _ = frame_parts([m.FetchResult(1, (b"p", pickle.PickleBuffer(bytearray(100))), None, 0)])
+    assert not is_bulk and len(parts) == 1 and parts[0][0] == pickle.PROTO[0]
 
 
 @pytest.mark.parametrize("at", [0, 1, 17, -1])
