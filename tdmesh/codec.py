@@ -17,9 +17,10 @@ def pack_tensor(t):
     """``t`` (detached, on CPU) as a PackedTensor, or ``t`` itself for layouts bytes can't carry.
 
     Its ``data`` is a ``pickle.PickleBuffer`` over the tensor's own memory (which it keeps
-    alive): pickled with protocol 5 it is written straight from that memory as a bytearray, and
-    :func:`unpack_tensor` wraps the bytearray it becomes without copying it again.  A fetch of
-    a big tensor is bound by such copies (each ~36 ms per 64 MiB on a 2-core VM): this saves two."""
+    alive), so that no copy is made of it before it is sent: with protocol 5 a small one is
+    written into the pickle straight from that memory (a bytearray on the other side), a big one
+    is left out of the pickle (:func:`pickle_value`) and sent from that memory (:mod:`tdmesh.bulk`).
+    A fetch of a big tensor was bound by such copies (each ~36 ms per 64 MiB on a 2-core VM)."""
     import ctypes
     import pickle
 
@@ -62,8 +63,8 @@ def describe_tensor(t) -> tuple:
 
 def unpack_tensor(p: PackedTensor):
     """The tensor of ``p``, over the memory ``p`` arrived in (no copy): the bytearray of a
-    PackedTensor pickled in band, or the writable view of a received frame its bytes travelled
-    beside the pickle in (:func:`pickle_value`).  Anything else (a PickleBuffer not sent) is copied."""
+    PackedTensor pickled in band, or the writable view of the bulk frame its bytes came in
+    (:func:`pickle_value`).  Anything else (a PickleBuffer never sent) is copied."""
     import torch
     dtype = getattr(torch, p.dtype)
     data = p.data
@@ -77,7 +78,8 @@ def unpack_tensor(p: PackedTensor):
 def pickle_value(value):
     """A fetched value as a FetchResult carries it: its pickle, or ``(pickle, buffer, ...)``
     with the bytes of its big tensors left out of the pickle, for the transport to send from
-    the tensors' memory (``transport.encode_parts``) and the client to read in place."""
+    the tensors' memory in a bulk frame (:func:`tdmesh.bulk.frame_parts`) and the client to
+    read in place."""
     import pickle
 
     from .bulk import big_buffers_into

@@ -367,7 +367,7 @@ class ProcessGroupArg(NamedTuple):
 class PackedTensor(NamedTuple):  # a dense CPU tensor as raw bytes: pickles ~10x faster than a tensor
     dtype: str
     shape: tuple
-    data: Any  # a PickleBuffer where packed (codec.pack_tensor; protocol 5), a bytearray where unpickled
+    data: Any  # a PickleBuffer where packed (codec.pack_tensor; protocol 5); a bytearray or a bulk frame's view
 
 
 class TorchGlobal(NamedTuple):

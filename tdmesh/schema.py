@@ -106,7 +106,7 @@ PROCESS_GROUPS = Kind(f"a tuple of at most {MAX_ITEMS} ProcessGroupArgs",
 ANY = Kind("anything", lambda v: True)
 NONCE = Kind("bytes of at most 64", lambda v: type(v) is bytes and len(v) <= 64)
 OPT_BYTES = Kind("bytes or None", lambda v: v is None or type(v) is bytes)
-FETCHED = Kind("bytes, (bytes, buffer, ...) or None",  # codec.pickle_value: big buffers travel beside the pickle
+FETCHED = Kind("bytes, (bytes, buffer, ...) or None",  # codec.pickle_value: big buffers come in a bulk frame
                lambda v: v is None or type(v) is bytes or (type(v) is tuple and len(v) > 1 and type(v[0]) is bytes
                                                           and all(type(b) is memoryview for b in v[1:])))
 OPT_DEPENDENT_ERROR = Kind("None or a DependentError",
