@@ -206,16 +206,16 @@ def test_a_client_kept_from_running_does_not_blame_its_workers():
     cannot read: the workers' heartbeats, and the answer to an op's progress probe, wait in the
     sockets. Afterwards nobody is called silent or stuck (CI's run of a hypothesis test that
     held the GIL for half a minute failed two idle fleets of the test session this way)."""
-    quick = SupervisionParams(heartbeat_interval=0.2, heartbeat_timeout=1.0)
-    strict = STUCK._replace(operation_timeout=1, fail_on_operation_timeout=True)
+    quick = SupervisionParams(heartbeat_interval=0.5, heartbeat_timeout=2.0)  # each hold outlasts the timeout
+    strict = STUCK._replace(operation_timeout=2, fail_on_operation_timeout=True)
     with tdmesh.local_mesh(hosts=2, gpus_per_host=2, supervision=quick, controller=strict, pool=False) as mesh:
         pids = worker_pids(mesh)
         with mesh.activate():
             x = torch.ones(2) + 1
             assert inspect(x).tolist() == [2.0, 2.0]
             y = x * 3  # in flight while the client is away: its probe is answered at once, and read late
-            for _ in range(10):  # away 5 s, with a moment between the calls for every thread to run once
-                hold_the_gil(quick.heartbeat_timeout / 2)
+            for _ in range(4):  # away 12 s, with a moment between the calls for every thread to run once
+                hold_the_gil(1.5 * quick.heartbeat_timeout)
                 time.sleep(0.001)
             time.sleep(2 * quick.heartbeat_timeout)  # the supervisor's checks, with every worker heard again
             assert mesh.client.failure is None, mesh.client.failure
