@@ -63,6 +63,8 @@ def test_a_tls_fleet_encrypts_every_connection(clean_env, tmp_path):
             for _ in range(200):  # many small frames: TLS must not hold any in its buffer unread
                 x = x + 1
             assert tdmesh.fetch_shard(x, host=1, gpu=0).result().tolist() == [203.0] * 4
+            big = torch.arange(3 << 18, dtype=torch.float32) + mesh.rank(("host", "gpu"))  # 3 MiB: a bulk frame
+            assert torch.equal(tdmesh.fetch_shard(big, host=1, gpu=1).result(), torch.arange(3 << 18) + 3.0)
 
 
 class Trojan:
