@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map, tree_unflatten
 from . import messages as m
 from ._coalescing import check_not_coalescing
 from ._context import active_mesh_or_none
+from .codec import pack_tensor
 from .errors import UsageError, user_line
 from .fetch import send_value
 from .issue import New, issue, issue_op
@@ -280,7 +281,7 @@ def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:
     stream = stream if stream is not None else get_active_stream()
 
     def build(seq, results, _mutated):
-        return m.CallFunction(seq, results, (), "torch.ops.aten._to_copy.default", (data,), {"device": device},
+        return m.CallFunction(seq, results, (), "tdmesh.worker.builtins.shipped", (pack_tensor(data), device), {},
                               stream.id)
 
     return issue(mesh, build, outputs=[New(meta)], device=device, stream=stream)[0]
