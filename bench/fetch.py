@@ -11,6 +11,8 @@ For each size:
   floor   a second process sends the same number of bytes, already in memory, over TCP when
           asked; this process reads them into a fresh buffer (no pickling, no checksum, no
           tdmesh): what a fetch could reach on this machine.
+  upload  the other way: ``torch.asarray(local)`` of a local tensor of that size under the
+          mesh, then a fetch of one element of it (the wait for it to arrive), 1-worker fleet.
   d2h     (``--device cuda``) ``t.cpu()`` of the same tensor in this process: the part of a GPU
           fetch that is the copy off the device.
 Ratios are fetch / floor (1.0 = the floor; above 1 = slower).
@@ -105,18 +107,25 @@ def floor_seconds(sizes: list[int], repeats: int) -> dict[int, float]:
         proc.wait(timeout=30)
 
 
-def fetch_seconds(workers: int, sizes: list[int], repeats: int, device: str) -> dict[int, float]:
+def fetch_seconds(workers: int, sizes: list[int], repeats: int, device: str) -> tuple[dict, dict]:
+    """Per size: seconds of a fetch, and (for one worker) of an upload."""
     import torch
 
     import tdmesh
-    out = {}
+    out, up = {}, {}
     with tdmesh.local_mesh(hosts=1, gpus_per_host=workers, pool=False) as mesh, mesh.activate():
         for size in sizes:
             t = torch.arange(size // 4, dtype=torch.float32)
             check = tdmesh.fetch_shard(t).result()
             assert check.device.type == "cpu" and check.numel() == size // 4 and float(check[-1]) == size // 4 - 1
             out[size] = _best(lambda t=t: tdmesh.fetch_shard(t).result(), repeats)
-    return out
+            if workers == 1:
+                with tdmesh.no_mesh.activate():
+                    local = torch.arange(size // 4, dtype=torch.float32)
+                arrived = tdmesh.fetch_shard(torch.asarray(local)[-1:]).result()
+                assert float(arrived[0]) == size // 4 - 1
+                up[size] = _best(lambda local=local: tdmesh.fetch_shard(torch.asarray(local)[-1:]).result(), repeats)
+    return out, up
 
 
 def main(argv=None) -> int:
@@ -138,7 +147,10 @@ def main(argv=None) -> int:
     print(f"tdmesh big-fetch bench: float32 tensors on {args.device} workers, best of {repeats} after a warm-up; "
           f"torch {torch.__version__}; {h.machine_line()}", flush=True)
     floor = floor_seconds(sizes, repeats)
-    fetched = {w: fetch_seconds(w, sizes, repeats, args.device) for w in fleets}
+    fetched, uploads = {}, {}
+    for w in fleets:
+        fetched[w], up = fetch_seconds(w, sizes, repeats, args.device)
+        uploads.update(up)
     d2h = {}
     if args.device == "cuda":
         for size in sizes:
@@ -150,10 +162,14 @@ def main(argv=None) -> int:
         for w in fleets:
             s = fetched[w][size]
             row.append(f"{s * 1e3:.1f} ms ({size / s / 2**30:.2f} GiB/s) {s / floor[size]:.2f}x")
+        if uploads:
+            row.append(f"{uploads[size] * 1e3:.1f} ms ({size / uploads[size] / 2**30:.2f} GiB/s) "
+                       f"{uploads[size] / floor[size]:.2f}x")
         if d2h:
             row.append(f"{d2h[size] * 1e3:.1f} ms")
         rows.append(row)
     headers = ["size", "floor: raw TCP"] + [f"fetch, {w} worker{'s' * (w > 1)} (vs floor)" for w in fleets]
+    headers += ["upload, 1 worker (vs floor)"] if uploads else []
     h.print_table(headers + (["d2h in this process"] if d2h else []), rows)
     return 0
 
