@@ -7,6 +7,8 @@ of what travels; workers may import this module (see tests/unit/test_layout.py).
 
 from __future__ import annotations
 
+import pickle
+
 from .messages import PackedTensor
 
 __all__ = ["pack_tensor", "unpack_tensor", "describe_tensor", "with_source", "load_callable", "pickle_value",
@@ -22,7 +24,6 @@ def pack_tensor(t):
     is left out of the pickle (:func:`pickle_value`) and sent from that memory (:mod:`tdmesh.bulk`).
     A fetch of a big tensor was bound by such copies (each ~36 ms per 64 MiB on a 2-core VM)."""
     import ctypes
-    import pickle
 
     import torch
     if t.layout is not torch.strided or t.is_quantized or t.is_nested or t.requires_grad:
@@ -80,8 +81,6 @@ def pickle_value(value):
     with the bytes of its big tensors left out of the pickle, for the transport to send from
     the tensors' memory in a bulk frame (:func:`tdmesh.bulk.frame_parts`) and the client to
     read in place."""
-    import pickle
-
     from .bulk import big_buffers_into
     buffers: list = []
     data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=big_buffers_into(buffers))
@@ -90,7 +89,6 @@ def pickle_value(value):
 
 def unpickle_value(wire):
     """The value of :func:`pickle_value`'s wire form (its PackedTensors still packed)."""
-    import pickle
     if type(wire) is tuple:
         return pickle.loads(wire[0], buffers=wire[1:])
     return pickle.loads(wire)
@@ -103,13 +101,11 @@ def with_source(payload: bytes, filename: str | None) -> bytes:
     """A cloudpickled callable, with the file its code came from.  cloudpickle >= 3.1 names the
     code of every function it pickles by value ``<dynamic-code>``, so a worker's tracebacks and
     pdb would show no source line of the user's script; :func:`load_callable` puts the name back."""
-    import pickle
     return payload if not filename else pickle.dumps((_SOURCE, filename, payload), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def load_callable(data: bytes):
     """The callable of pickled ``data`` (see :func:`with_source`); cloudpickle must be importable."""
-    import pickle
     obj = pickle.loads(data)
     if type(obj) is tuple and len(obj) == 3 and obj[0] == _SOURCE:
         _, filename, payload = obj

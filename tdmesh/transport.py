@@ -45,8 +45,9 @@ DEFAULT_MAX_FRAME = env_int("TDMESH_MAX_FRAME")  # 16 GiB by default: a fetch of
 
 
 def checksum(payload) -> int:
-    """The CRC-32 a frame of ``payload`` carries: computed once for a payload sent to many peers."""
-    return zlib.crc32(payload)
+    """The CRC-32 a frame of ``payload`` carries (of what it covers: :func:`tdmesh.bulk.covered`);
+    computed once for a payload sent to many peers."""
+    return zlib.crc32(covered(payload))
 
 
 def encode(msg) -> bytes:
@@ -191,9 +192,8 @@ class Connection:
     def send_payload(self, payload: bytes | bytearray | memoryview, checksum: int | None = None) -> None:
         """One frame of ``payload`` (a received :class:`BulkFrame` goes on as one); ``checksum``
         when a caller sending the same payload to many peers, or forwarding it, has it already."""
-        if type(payload) is BulkFrame:
-            return self._send(BULK_MAGIC, [payload], zlib.crc32(covered(payload)) if checksum is None else checksum)
-        self._send(MAGIC, [payload], zlib.crc32(payload) if checksum is None else checksum)
+        self._send(BULK_MAGIC if type(payload) is BulkFrame else MAGIC, [payload],
+                   zlib.crc32(covered(payload)) if checksum is None else checksum)
 
     def send_messages(self, msgs: Iterable) -> None:
         is_bulk, parts, checksum = frame_parts(msgs)
