@@ -73,7 +73,8 @@ class Client:
         self._deletes: dict[object, tuple] = {}   # mesh -> (mesh, [refs]): DeviceMesh hashes by identity
         self._groups: dict = {}                   # CreateGroups key -> id, for keys already sent
         self.op_numbers: dict = {}                # OpPlan -> this client's number for it (DefineOp sent)
-        self.sink = self                          # where issued ops go: a Recorder while tracing
+        self.sink = self                          # where issued ops go: a Recorder while tracing,
+        self.delete_holder = None                 # which holds frees until its outcome is queued
         self.history = History(self.children)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.failure: DeviceException | None = None
@@ -115,7 +116,6 @@ class Client:
         """The seq of the op issued last."""
         return self._next_seq - 1
 
-    # -- sending ---------------------------------------------------------------------------
     def check_usable(self) -> None:
         """Raise the fleet's failure (now observed) or refuse an exited mesh."""
         if self.failure is not None:
@@ -216,15 +216,17 @@ class Client:
         """Called when a proxy dies (any thread): batched into the next flush."""
         if self.closed:
             return
+        holder = self.delete_holder
+        if holder is not None and holder.hold_delete(ref, mesh):  # a trace's outcome is pending (tdmesh.tracing)
+            return
         entry = self._deletes.get(mesh)
         if entry is None:
             entry = self._deletes.setdefault(mesh, (mesh, []))
         entry[1].append(ref)
 
     def delete_refs(self, refs, mesh) -> None:
-        with self.lock:
-            if not self.closed:
-                self._deletes.setdefault(mesh, (mesh, []))[1].extend(refs)
+        for ref in refs:
+            self.delete_ref(ref, mesh)
 
     def _queue_deletes(self) -> None:
         deletes, self._deletes = self._deletes, {}
@@ -270,7 +272,6 @@ class Client:
         """True while a coalescing block holds this client's messages back."""
         return self in coalescing.held_clients
 
-    # -- receiving -------------------------------------------------------------------------
     def _read_loop(self) -> None:
         sel = selectors.DefaultSelector()
         for rank, conn in self.conns.items():
@@ -378,7 +379,6 @@ class Client:
         """Every rank answers once all it was sent before this has run."""
         self.sink.submit(self.ranks, m.RequestStatus(seq))
 
-    # -- shutdown --------------------------------------------------------------------------
     def shutdown(self, error: str | None = None, timeout: float = 30.0, detach: bool = False) -> None:
         """Stop every worker (or, with ``detach``, release them for the next client); idempotent."""
         if self.closed:

@@ -16,11 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map, tree_unflatten
 
 from . import messages as m
-from ._coalescing import check_not_coalescing
 from ._context import active_mesh_or_none
 from .codec import pack_tensor
 from .errors import UsageError, user_line
-from .fetch import send_value
+from .host_reads import read_on_host
 from .issue import New, issue, issue_op
 from .placement import check_inputs, check_mutation
 from .plan import MAX_PLANS, PLANS, OpPlan, make_plan, outputs_of
@@ -34,6 +33,8 @@ __all__ = ["dispatch", "ship_local", "MESH_MODE"]
 
 # Ops whose answer is a Python value on the client: they need a fetch, not a dispatch.
 _NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item"}
+_READS = {"aten::_local_scalar_dense": "a host read (.item(), float(), int(), bool())", "aten::item": ".item()",
+          "aten::is_nonzero": "bool()", "aten::equal": "torch.equal"}  # how error messages name them
 _LIFT = ("aten::lift_fresh", "aten::lift")
 # Questions a proxy's metadata answers without asking the workers.
 _STRUCTURE_QUERIES = {"prim::device", "aten::_nnz", "aten::sparse_dim", "aten::dense_dim", "aten::is_coalesced",
@@ -251,19 +252,17 @@ def _retypable(e: Exception) -> bool:
 def _value_on_client(func, args, kwargs, remote):
     """``t.item()``, ``bool(t)``, ``torch.allclose``: a Python value the client needs now.
 
-    These block: the op runs on the first rank of the tensors' mesh (where its device is:
-    some such ops exist only for CUDA) and its value comes back, one round trip.  Replicated
-    values such as an optimizer's step count read the same everywhere; prefer ``fetch_shard``
-    where the wait can be deferred.
+    These block: the op runs on every rank of the tensors' mesh and its value comes back, one
+    round trip; it is returned where all ranks agree, else a ValueError lists them
+    (:mod:`tdmesh.host_reads`).  Prefer ``fetch_shard`` where the wait can be deferred.
     """
     name = func._schema.name
     if name in _STRUCTURE_QUERIES:
         if name == "prim::device":  # asked of sparse proxies only: a wrapper knows its device
             return remote[0]._device
         return func(*_on_meta(args), **_on_meta(kwargs))
-    check_not_coalescing(f"{func} (it needs a value from the workers)")
-    mesh = remote[0]._mesh
-    return send_value(mesh, op_path(func), args, kwargs, mesh.processes.offset).result()
+    what = f"{_READS.get(name, func.__name__.split('.')[0])} of {describe(remote[0])}"
+    return read_on_host(remote[0]._mesh, op_path(func), args, kwargs, what)
 
 
 def _on_meta(value):

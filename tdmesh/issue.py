@@ -129,10 +129,11 @@ def issue_op(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> li
 
 
 def issue_call(mesh, recording: int, inputs: Sequence[Tensor], outputs: Sequence[tuple], captures: Sequence[int],
-               defs: list[int], ranks, stream: Stream) -> list[Tensor]:
+               defs: list[int], ranks, stream: Stream, kept: tuple = ()) -> list[Tensor]:
     """Issue one call of a compiled function (a CallRecording): ``outputs`` are its new
     results as (dense meta, index of the input whose storage it views or None, stream,
-    device, mesh); ``captures`` the refs it reads besides its inputs, ``defs`` those it writes.
+    device, mesh); ``captures`` the refs it reads besides its inputs, ``defs`` those it writes,
+    ``kept`` the refs of its state, which every call defines again (after its new results).
     :func:`issue`'s work for this one shape of op, the hot path of replays."""
     client = mesh.client
     with client.lock:
@@ -145,9 +146,10 @@ def issue_call(mesh, recording: int, inputs: Sequence[Tensor], outputs: Sequence
             refs.append(ref)
         actuals = [t._r.id for t in inputs]
         seq = client.new_seq()
-        msg = _tuple_new(CallRecording, (seq, recording, tuple(actuals), tuple(refs)))
+        msg = _tuple_new(CallRecording, (seq, recording, tuple(actuals), tuple(refs) + kept if kept else tuple(refs)))
         actuals.extend(captures)
-        client.sink.submit(ranks, msg, seq, actuals, refs + defs, None, inputs, False, made, call_site(2))
+        client.sink.submit(ranks, msg, seq, actuals, refs + defs + list(kept) if kept else refs + defs, None, inputs,
+                           False, made, call_site(2))
     return made
 
 

@@ -13,6 +13,7 @@ each foreach or fused call is one remote op.  This is tdmesh's one registration 
 
 from __future__ import annotations
 
+import torch
 import torch.optim.optimizer as _optimizer
 import torch.utils._foreach_utils as _foreach_utils
 
@@ -29,3 +30,20 @@ def register_foreach_support() -> None:
 
 
 register_foreach_support()
+
+
+def hyperparameters(opt) -> tuple:
+    """An optimizer's Python-valued settings (``lr``, ``betas``, ``weight_decay`` ...): what a
+    compiled step bakes into its recording, so a replay checks they are unchanged (a tensor
+    ``lr`` is read where it is, so a scheduler's in-place updates need no check)."""
+    return tuple(tuple((k, v) for k, v in group.items() if k != "params" and not isinstance(v, torch.Tensor))
+                 for group in opt.param_groups)
+
+
+def watch_optimizers(recorder):
+    """Note each torch optimizer stepped while ``recorder`` traces, with its settings as the
+    step reads them; returns the hook's handle (``.remove()`` when the trace ends)."""
+    def seen(opt, args, kwargs):
+        if id(opt) not in recorder.optimizers:
+            recorder.optimizers[id(opt)] = (opt, hyperparameters(opt))
+    return _optimizer.register_optimizer_step_pre_hook(seen)

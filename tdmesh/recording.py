@@ -1,61 +1,59 @@
 """``@tdmesh.compile``: record a function's messages on the workers once, replay them after.
 
-The first call traces the function: its messages are captured instead of sent, and defined
-on each rank as a recording (in chunks).  Every later call with the same kind of inputs
-(tree structure, non-tensor values, tensor metadata, aliasing, mesh, stream) sends one
-``CallRecording`` per rank, however many ops the function has.  Tensors the function only
-captures from outside are read where they are; tensors it creates and does not return are
-dropped.  ``verify=True`` traces the first reuse again and raises if the messages differ.
+A call traces the function: its messages are kept instead of sent (``tdmesh.tracing``).
+What the trace becomes follows one rule: **every call gives what the function run eagerly
+would give, from the first call on** (no warm-up steps).  So:
+
+1. A trace that made nothing the program keeps (only its results) becomes a recording at
+   once: defined on each rank (in chunks) and called; every later call with the same kind
+   of inputs (tree structure, non-tensor values, tensor metadata, aliasing, mesh, stream) is
+   one ``CallRecording`` per rank, however many ops the function has.
+2. A trace that made **state** -- tensors that outlive the call without being returned:
+   ``.grad``, an optimizer's ``state``, a lazily built module, a tensor the function stored --
+   runs as the eager ops it traced, so the state exists as the program sees it; the next
+   call traces again and reads it as captures.  State made anew by every call (gradients
+   under ``zero_grad(set_to_none=True)``) settles when two traces in a row send the same
+   messages and the first one's state is gone: the recording then rewrites that state in
+   place (the same refs) at every call.
+3. A **host read** inside (``.item()``, ``bool()``, a fetch, a shape only the data decides)
+   sends what was traced and runs the rest of the call eagerly, so the read sees the
+   workers' value.
+4. A replay runs only while it would do what the function does now: every tensor it reads
+   (captures) and keeps is still held by the program, with the metadata it was traced with,
+   and every ``torch.optim`` optimizer it steps has the same settings (``lr``...).
+   Otherwise the call traces again.
+
+A function whose calls run eagerly ``EAGER_AFTER`` times in a row for one reason (host
+reads every call, state that never settles, a recording stale at every call) runs eagerly
+for good, with one warning naming why and the way out.  What a replay cannot see: other
+Python values the function reads (a global float, a branch on Python state); ``verify=True``
+traces the first reuse again and raises if the messages differ.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
+import warnings
 import weakref
-from collections.abc import Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
-from . import messages as m
 from ._context import active_mesh_or_none
 from .capture import recording_mode
 from .errors import UsageError, call_site, user_line
-from .issue import New, issue, issue_call
-from .placement import check_inputs, check_no_grad
-from .propagation import SparseMeta
-from .signature import first_difference, signature
-from .stream import get_active_stream
+from .optim import watch_optimizers
+from .placement import check_no_grad
+from .replay import Recording
+from .signature import call_key, signature, tensors_key
 from .tensor import Tensor, raise_in_op
+from .tracing import Recorder, drop_traced_borrows, forget_trace, trace_state
 
 __all__ = ["compile"]
 
-_recording_ids = itertools.count(1)
-
-
-class Recorder:
-    """The client's sink while a compiled function is traced: keeps the messages that would
-    have been sent (per rank), the proxies made, and every tensor an op read."""
-
-    def __init__(self, client) -> None:
-        self.client = client
-        self.messages: list[tuple[tuple, object, list, list]] = []
-        self.created: list = []  # weakrefs to the RefOwners made while tracing
-        self.devices: set[str] = set()  # the device types of the tensors it made
-        self.first_ref = client.next_ref  # refs from here on are made by the trace
-        self.seen: dict[int, Tensor] = {}  # every tensor an op read while tracing, by ref
-
-    def submit(self, ranks, msg, seq=None, uses=(), defs=(), future=None, inputs=(), deletes_first=False,
-               outputs=(), site=None) -> None:
-        if type(msg) in (m.SendValue, m.RequestStatus):
-            raise NotImplementedError("NYI: fetching values inside a compiled function; return the tensor and "
-                                      "fetch it after the call")
-        for t in inputs:
-            self.seen[t.ref] = t
-        self.created.extend(weakref.ref(t._r) for t in outputs)
-        self.devices.update(t.device.type for t in outputs)
-        self.messages.append((tuple(ranks), msg, list(uses), list(defs)))
+# A function whose calls run eagerly this many times for one reason (host reads, state that
+# never settles, a recording that goes stale every call) runs eagerly from then on, warning once.
+EAGER_AFTER = 4
 
 
 class _Compiled:
@@ -69,53 +67,123 @@ class _Compiled:
         self.backend = backend
         self.cuda_graph = cuda_graph
         self.warned = False  # the reason a recording is not a CUDA graph is said once
-        self.last: _Recording | None = None
+        self.last: Recording | None = None
         self.recordings: dict = {}
         self.traces = 0
+        self.settling: dict = {}  # key -> (signature, weakrefs to the state) of its last trace that made state
+        self.misses: dict[str, int] = {}  # calls that ran eagerly, by why, since the last recording
+        self.eager_because: str | None = None  # set once the function runs eagerly for good
+        self.stale_run = 0  # recordings in a row that went stale before their first replay
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        key = None if kwargs else _tensors_key(args)
+        key = None if kwargs else tensors_key(args)
         if key is not None:  # the common call, f(tensor, ...): no tree walk, no per-input checks
             rec = self.recordings.get(key)
-            if rec is not None and rec.verified and type(rec.client.sink) is not Recorder and rec.fresh():
-                return rec.replay(args[0].mesh, args)
+            if rec is not None and rec.verified and type(rec.client.sink) is not Recorder:
+                captures = rec.live()
+                if captures is not None:
+                    return rec.replay(args[0].mesh, args, captures)
         flat, spec = tree_flatten((args, kwargs))
         inputs = [x for x in flat if type(x) is Tensor]
         mesh = inputs[0].mesh if inputs else active_mesh_or_none()
         if mesh is None or mesh.client is None:
             raise ValueError("a compiled function runs on a mesh: call it under `with mesh.activate():`")
         client = mesh.client
-        if type(client.sink) is Recorder:  # compile inside compile: just run it
+        if type(client.sink) is Recorder or self.eager_because is not None:  # inside compile, or eager for good
             return self.fn(*args, **kwargs)
         for t in inputs:
             check_no_grad(t, "tdmesh.compile (it does not record autograd)")
         if key is None:
-            key = _key(spec, flat)
+            key = call_key(spec, flat)
         rec = self.recordings.get(key)
-        if rec is not None and not rec.fresh():  # a captured tensor changed shape since the trace: trace again
-            rec = None
-        if rec is None:
-            rec, outputs = self._trace(client, args, kwargs, inputs)
-            mode = recording_mode(self.backend, self.cuda_graph, mesh, rec, inputs, self)
-            rec.verified = not self.verify
-            self.recordings[key] = rec
-            rec.mode = mode
-            self.last = rec
-            rec.define(client, mode)
-            rec.call(mesh, inputs)
-            return outputs
+        captures, stale = rec.check() if rec is not None else (None, None)
+        if stale is not None:  # a tensor it reads or keeps is gone or reshaped, or settings changed
+            self.stale_run = self.stale_run + 1 if rec.replays == 0 else 1
+            if self.stale_run >= EAGER_AFTER:
+                self._eager_call(f"its recording went stale ({stale})", "stale", "keep what it reads the same tensors "
+                                 "with the same settings (a tensor lr=torch.tensor(...) for a scheduler to update)")
+                return self.fn(*args, **kwargs)
+        if captures is None:
+            return self._trace_call(client, mesh, key, args, kwargs, inputs)
         if self.verify and not rec.verified:
-            again, outputs = self._trace(client, args, kwargs, inputs)
+            recorder, outputs, out_flat, out_spec = self._trace(client, args, kwargs)
+            again = self._settle(recorder, key, inputs, out_flat, out_spec)
+            if again is None:
+                return outputs
             at = rec.diverges_from(again)
-            if at is not None:
+            if at is not None:  # nothing of this call was sent
+                forget_trace(recorder)
+                again.release(recorded=True)
                 raise UsageError(f"tdmesh.compile failed to verify recording. Recording diverges at operation "
-                                   f"{at}: the function does not send the same operations on every call "
-                                   f"(a data- or Python-dependent branch?)\n  at {user_line()}")
+                                 f"{at}: the function does not send the same operations on every call "
+                                 f"(a data- or Python-dependent branch?)\n  at {user_line()}")
             rec.verified = True
             rec.call(mesh, inputs, again)
+            again.release(recorded=True)
             return outputs
-        return rec.replay(mesh, inputs)
+        return rec.replay(mesh, inputs, captures)
+
+    def _trace_call(self, client, mesh, key, args, kwargs, inputs):
+        """A call that traces: it becomes a recording, or runs as the eager ops it traced."""
+        recorder, outputs, out_flat, out_spec = self._trace(client, args, kwargs)
+        rec = self._settle(recorder, key, inputs, out_flat, out_spec)
+        if rec is None:
+            return outputs
+        try:
+            mode = recording_mode(self.backend, self.cuda_graph, mesh, rec, inputs, self)
+        except BaseException:  # refused (cuda_graph=True): nothing of the call was sent
+            forget_trace(recorder)
+            rec.release(recorded=True)
+            raise
+        rec.verified = not self.verify or bool(rec.kept_refs)  # state settles only after two equal traces
+        self.recordings[key] = rec
+        rec.mode = mode
+        self.last = rec
+        rec.define(client, mode)
+        rec.call(mesh, inputs)
+        rec.release(recorded=True)
+        return outputs
+
+    def _settle(self, recorder: Recorder, key, inputs, out_flat, out_spec) -> Recording | None:
+        """What a finished trace becomes: a recording (returned, not yet released), or None when
+        the call has run as eager ops (sent here) -- see the module docstring for the rules."""
+        if recorder.host_read is not None:  # sent already, from the read on
+            self._eager_call(f"it reads a value on the host ({recorder.host_read})", "host_reads",
+                             "fetch after the call, or for torch.optim pass fused=True (or capturable=True on CUDA), "
+                             "which read nothing on the host")
+            return None
+        state = trace_state(recorder, out_flat)
+        if state.why_eager is None:
+            previous = self.settling.get(key)
+            sig = signature(recorder.messages, state.kept_refs) if state.kept else None
+            if state.kept and (previous is None or previous[0] != sig or any(w() is not None for w in previous[1])):
+                state.why_eager = "it made new state that later calls read"
+                self.settling[key] = (sig, [weakref.ref(r) for r in state.kept])
+        if state.why_eager is not None:
+            recorder.send_eagerly()
+            self._eager_call(state.why_eager, "settle_misses", state.way_out)
+            return None
+        self.settling.pop(key, None)
+        self.misses.clear()
+        rec = Recording(recorder, inputs, out_flat, out_spec, state)
+        site = call_site()
+        keep = {o._r.id for o in out_flat if type(o) is Tensor} | set(state.kept_refs)
+        for ref in recorder.created:  # made inside, not returned, not kept: gone (a temporary)
+            r = ref()
+            if r is not None and r.id not in keep and r.id in rec.defined:
+                r.dropped_at = site
+        return rec
+
+    def _eager_call(self, why: str, kind: str, way_out: str) -> None:
+        """This call ran eagerly; after ``EAGER_AFTER`` such calls the function runs eagerly
+        for good, with one warning naming why and the way out."""
+        self.misses[kind] = self.misses.get(kind, 0) + 1
+        if self.misses[kind] >= EAGER_AFTER or kind == "stale":
+            self.eager_because = why
+            name = getattr(self.fn, "__name__", "the function")
+            warnings.warn(f"tdmesh.compile: {name} runs eagerly from now on: {why}, on each of {EAGER_AFTER} "
+                          f"calls in a row; {way_out}", stacklevel=4)
 
     @property
     def recording_id(self) -> int | None:
@@ -129,233 +197,34 @@ class _Compiled:
         "cuda_graph_required"), "program" or "messages"."""
         return self.last.mode if self.last is not None else None
 
-    def _trace(self, client, args, kwargs, inputs) -> tuple[_Recording, object]:
+    def _trace(self, client, args, kwargs) -> tuple[Recorder, object, list, object]:
         recorder = client.sink = Recorder(client)
+        hooks = watch_optimizers(recorder)
         try:
             try:
                 outputs = self.fn(*args, **kwargs)
-            except BaseException:
-                try:
-                    _drop_traced_borrows(recorder)
-                except Exception:  # noqa: BLE001 - the function's own error is the one to report
-                    pass
-                # nothing of this trace reached the workers: a tensor it made (and leaked) names a
-                # ref they never had, which would stop them; make it DROPPED on the client instead
-                site = call_site()
-                for ref in recorder.created:
-                    r = ref()
-                    if r is not None:
-                        r.dropped_at = site
-                raise
-            if _drop_traced_borrows(recorder):
+            finally:
+                hooks.remove()
+            if recorder.host_read is None and drop_traced_borrows(recorder):
                 raise UsageError(f"all borrows created within a compiled function must be dropped within it "
-                                   f"(call borrow.drop() before it returns)\n  at {user_line()}")
-        finally:
+                                 f"(call borrow.drop() before it returns)\n  at {user_line()}")
+            self.traces += 1
+            out_flat, out_spec = tree_flatten(outputs)
+            for o in out_flat:
+                if isinstance(o, torch.Tensor) and type(o) is not Tensor:
+                    raise TypeError(f"a compiled function returns tdmesh tensors, got a local {type(o).__name__}")
+                if type(o) is Tensor and o.requires_grad:
+                    raise_in_op("REQUIRES_GRAD", f"a compiled function cannot return tensor {o.ref}, which "
+                                                 f"requires grad")
+        except BaseException:
+            if recorder.host_read is None:  # nothing was sent
+                forget_trace(recorder)
+            recorder.release(recorded=True)
+            raise
+        recorder.finished = True  # from here every free waits until the outcome is queued
+        if client.sink is recorder:
             client.sink = client
-        self.traces += 1
-        out_flat, out_spec = tree_flatten(outputs)
-        for o in out_flat:
-            if isinstance(o, torch.Tensor) and type(o) is not Tensor:
-                raise TypeError(f"a compiled function returns tdmesh tensors, got a local {type(o).__name__}")
-            if type(o) is Tensor and o.requires_grad:
-                raise_in_op("REQUIRES_GRAD", f"a compiled function cannot return tensor {o.ref}, which requires "
-                                             f"grad")
-        rec = _Recording(recorder, inputs, out_flat, out_spec)
-        site = call_site()
-        keep = {o._r.id for o in out_flat if type(o) is Tensor}
-        for ref in recorder.created:  # made inside, not returned: unusable from now on
-            r = ref()
-            if r is not None and r.id not in keep and r.id in rec.defined:
-                r.dropped_at = site
-        return rec, outputs
-
-
-def _drop_traced_borrows(recorder: Recorder) -> bool:
-    """Drop the borrows a trace created and left undropped; True if there were any.
-
-    Their messages were only recorded, never sent, so the drop is recorded too (and thrown
-    away with the trace): a definition that the workers would reject (a ProtocolViolation
-    that ends every worker) is never sent, and a later drop cannot name an unknown borrow."""
-    created = {msg.borrow for _, msg, _, _ in recorder.messages if type(msg) is m.BorrowCreate}
-    undropped = {}
-    for ref in recorder.created:
-        r = ref()
-        borrow = r.aliases.borrow if r is not None else None
-        if borrow is not None and borrow.id in created and not borrow.dropped:
-            undropped[id(borrow)] = borrow
-    for borrow in undropped.values():
-        borrow.drop()
-    return bool(undropped)
-
-
-class _Recording:
-    def __init__(self, recorder: Recorder, inputs: list, out_flat: list, out_spec) -> None:
-        self.id = next(_recording_ids)
-        self.messages = recorder.messages
-        self.verified = False
-        self.mode = "program"
-        self.formals = [t.ref for t in inputs]
-        defined: list[int] = []
-        used: list[int] = []
-        mutated: list[int] = []
-        for _, msg, uses, defs in self.messages:
-            used.extend(uses)
-            defined.extend(defs)
-            if type(msg) is m.CallFunction or type(msg) is m.CallOp:
-                mutated.extend(msg.mutates)
-        # defined inside: refs the trace made (a def of an older ref is a write to a tensor
-        # from outside: a captured parameter an optimizer updates is a capture, and mutated)
-        self.defined = {r for r in defined if r >= recorder.first_ref} - set(self.formals)
-        formal_set = set(self.formals)
-        self.capture_refs = [r for r in dict.fromkeys(used) if r not in self.defined and r not in formal_set]
-        # keep captured tensors alive (and checkable) for as long as the recording exists
-        self.captures = [recorder.seen[r] for r in self.capture_refs if r in recorder.seen]
-        self.mutated_outside = [r for r in dict.fromkeys(mutated) if r not in self.defined]
-        self.formal_index = {r: i for i, r in enumerate(self.formals)}
-        self.capture_of = {t.ref: t for t in self.captures}
-        self.capture_metas = [t._meta for t in self.captures]
-        self.out_spec = out_spec
-        # per output leaf: ("value", v) | ("formal", i) | ("capture", t)
-        #                  | ("result", meta, source, stream, device, mesh)
-        self.outputs: list[tuple] = []
-        self.results = []
-        self.result_alias_ids: list[int] = []  # the storage of each result, for capture.graph_blocker
-        self.devices = recorder.devices  # the device types of the tensors the trace made
-        input_aliases = [t._r.aliases for t in inputs]
-        for o in out_flat:
-            if type(o) is not Tensor:
-                self.outputs.append(("value", o))
-            elif o.ref in formal_set:
-                self.outputs.append(("formal", self.formals.index(o.ref)))
-            elif o.ref not in self.defined:
-                self.outputs.append(("capture", o))
-            else:
-                source = next((i for i, a in enumerate(input_aliases) if a is o._r.aliases), None)
-                self.outputs.append(("result", o._meta, source, o.stream, o.device, o.mesh))
-                self.results.append(o.ref)
-                self.result_alias_ids.append(id(o._r.aliases))
-        self.ranks = sorted({r for ranks, *_ in self.messages for r in ranks})
-        results = [o[1:] for o in self.outputs if o[0] == "result"]
-        self.dense_results = None if any(isinstance(r[0], SparseMeta) for r in results) else results
-        self.single_result = len(self.outputs) == 1 and self.outputs[0][0] == "result" and out_spec.num_leaves == 1 \
-            and out_spec.num_children == 0
-
-    def fresh(self) -> bool:
-        """Whether every captured tensor still has the metadata it was traced with (an in-place
-        resize_, set_ or transpose_ outside changes it: the recorded work would be stale)."""
-        return all(t._meta is meta or t._meta == meta for t, meta in zip(self.captures, self.capture_metas))
-
-    def diverges_from(self, other: _Recording):
-        return first_difference(signature(self.messages), signature(other.messages))
-
-    def define(self, client, mode: str) -> None:
-        self.client = client
-        # ranks that run the same messages get one definition (most recordings: every rank)
-        sets = {id(ranks): frozenset(ranks) for ranks, *_ in self.messages}
-        groups: dict[tuple, list[int]] = {}
-        for rank in self.ranks:
-            groups.setdefault(tuple(rank in s for s in sets.values()), []).append(rank)
-        for member, ranks in groups.items():
-            inside = {key for key, yes in zip(sets, member) if yes}
-            commands = tuple(msg for r, msg, _, _ in self.messages if id(r) in inside)
-            step = m.MAX_COMMANDS_PER_CHUNK
-            chunks = [commands[i:i + step] for i in range(0, len(commands), step)] or [()]
-            for index, chunk in enumerate(chunks):
-                client.send_setup(m.DefineRecording(self.id, chunk, tuple(self.formals), tuple(self.results),
-                                                    index, len(chunks), mode), ranks=tuple(ranks))
-
-    def call(self, mesh, inputs: list, traced: _Recording | None = None) -> None:
-        """Run the recording for a call that was just traced: its results are the traced refs."""
-        self._send(mesh, inputs, [], list((traced or self).results))
-
-    def _send(self, mesh, inputs: Sequence[Tensor], outputs: list, traced: Sequence[int] = ()) -> list:
-        """One CallRecording on this recording's ranks: ``outputs`` are the new proxies of a
-        replay, ``traced`` the refs of a traced call's own outputs instead."""
-        actual_refs = [t.ref for t in inputs]
-        mutated = self._written(inputs)
-        call = (self.id, tuple(actual_refs))
-
-        def build(seq, new_refs, _mutated):
-            return m.CallRecording(seq, *call, tuple(traced) + new_refs)
-
-        return issue(mesh, build, outputs=outputs, ranks=self.ranks, uses=actual_refs + self.capture_refs,
-                     defs=list(traced) + mutated)
-
-    def _written(self, inputs: Sequence[Tensor]) -> list[int]:
-        """Every alias of what a call with ``inputs`` writes outside, as the aliases are now."""
-        written: list[int] = []
-        for r in self.mutated_outside:
-            owner = inputs[self.formal_index[r]] if r in self.formal_index else self.capture_of.get(r)
-            written.extend(owner._r.aliases.refs if owner is not None else [r])
-        return written
-
-    def replay(self, mesh, inputs: Sequence[Tensor]):
-        stream = get_active_stream()
-        for t in inputs:  # dropped or borrowed since the trace? (inputs may come from several meshes)
-            check_inputs((t,), t._mesh, "a compiled function", stream)
-        if self.captures:
-            check_inputs(self.captures, self.captures[0].mesh, "a compiled function (a captured tensor)", stream)
-        if self.dense_results is None:  # a sparse result: the general path
-            return self._replay_general(mesh, inputs)
-        proxies = issue_call(mesh, self.id, inputs, self.dense_results, self.capture_refs, self._written(inputs),
-                             self.ranks, stream)
-        if self.single_result:
-            return proxies[0]
-        it = iter(proxies)
-        leaves = [next(it) if kind == "result" else (inputs[rest[0]] if kind == "formal" else rest[0])
-                  for kind, *rest in self.outputs]
-        return tree_unflatten(leaves, self.out_spec)
-
-    def _replay_general(self, mesh, inputs: Sequence[Tensor]):
-        slots: list = []  # per output leaf: (is a new proxy, the value or its index among the new ones)
-        new: list = []
-        for kind, *rest in self.outputs:
-            if kind == "value" or kind == "capture":
-                slots.append((False, rest[0]))
-            elif kind == "formal":
-                slots.append((False, inputs[rest[0]]))
-            else:
-                meta, source, out_stream, device, out_mesh = rest
-                slots.append((True, len(new)))
-                new.append(New(meta, inputs[source].aliases if source is not None else None, out_stream, device,
-                               out_mesh))
-        proxies = self._send(mesh, inputs, new)
-        return tree_unflatten([proxies[v] if is_new else v for is_new, v in slots], self.out_spec)
-
-
-def _tensors_key(args: tuple) -> tuple | None:
-    """The recording key of a call whose arguments are all tdmesh tensors (None otherwise):
-    what ``_key`` would distinguish, and whether grad must be refused (then the slow path
-    raises).  Read with torch functions off: under a mesh, ``requires_grad`` would go
-    through the mesh's TorchFunctionMode (1 us a tensor)."""
-    if not args:
-        return None
-    aliases: dict[int, int] = {}
-    parts: list = ["tensors"]
-    with torch._C.DisableTorchFunction():
-        for x in args:
-            if type(x) is not Tensor:
-                return None
-            grad = x.requires_grad and torch.is_grad_enabled()
-            parts.append((x._meta, id(x._mesh), x._stream.id, grad,
-                          aliases.setdefault(id(x._r.aliases), len(aliases))))
-    return tuple(parts)
-
-
-def _key(spec, flat) -> tuple:
-    aliases: dict[int, int] = {}
-    parts: list = []
-    for x in flat:
-        if type(x) is Tensor:
-            parts.append(("T", x._meta, id(x.mesh), x.stream.id, x.requires_grad,
-                          aliases.setdefault(id(x._r.aliases), len(aliases))))
-        else:
-            try:
-                hash(x)
-                parts.append(x)
-            except TypeError:
-                parts.append(("unhashable", id(x)))
-    return (spec, tuple(parts))
+        return recorder, outputs, out_flat, out_spec
 
 
 BACKENDS = ("program", "messages", "inductor")

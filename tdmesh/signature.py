@@ -9,12 +9,14 @@ from typing import Any
 import torch
 
 from . import messages as m
+from .tensor import Tensor
 
 
-def signature(messages) -> list:
+def signature(messages, kept=()) -> list:
     """A recording's ``(ranks, message, uses, defs)`` list with its refs, borrow ids and seqs
     numbered by first appearance (the ref fields are those of ``messages.REF_FIELDS``): two
-    traces that send the same operations have equal signatures."""
+    traces that send the same operations have equal signatures.  ``kept``: the refs a trace
+    leaves as state, whose places among its refs are part of the signature."""
     names: dict[int, int] = {}
     counter = itertools.count()
 
@@ -53,6 +55,8 @@ def signature(messages) -> list:
             else:
                 row.append(norm(value))
         rows.append(tuple(row))
+    if kept:
+        rows.append(("kept", tuple(ref(r) for r in kept)))
     return rows
 
 
@@ -63,3 +67,38 @@ def first_difference(mine: list, theirs: list) -> int | None:
         if a != b:
             return i
     return None if len(mine) == len(theirs) else min(len(mine), len(theirs))
+
+
+def tensors_key(args: tuple) -> tuple | None:
+    """The recording key of a call whose arguments are all tdmesh tensors (None otherwise):
+    what ``call_key`` would distinguish, and whether grad must be refused (then the slow path
+    raises).  Read with torch functions off: under a mesh, ``requires_grad`` would go
+    through the mesh's TorchFunctionMode (1 us a tensor)."""
+    if not args:
+        return None
+    aliases: dict[int, int] = {}
+    parts: list = ["tensors"]
+    with torch._C.DisableTorchFunction():
+        for x in args:
+            if type(x) is not Tensor:
+                return None
+            grad = x.requires_grad and torch.is_grad_enabled()
+            parts.append((x._meta, id(x._mesh), x._stream.id, grad,
+                          aliases.setdefault(id(x._r.aliases), len(aliases))))
+    return tuple(parts)
+
+
+def call_key(spec, flat) -> tuple:
+    aliases: dict[int, int] = {}
+    parts: list = []
+    for x in flat:
+        if type(x) is Tensor:
+            parts.append(("T", x._meta, id(x.mesh), x.stream.id, x.requires_grad,
+                          aliases.setdefault(id(x._r.aliases), len(aliases))))
+        else:
+            try:
+                hash(x)
+                parts.append(x)
+            except TypeError:
+                parts.append(("unhashable", id(x)))
+    return (spec, tuple(parts))

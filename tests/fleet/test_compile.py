@@ -136,22 +136,30 @@ def test_verify_catches_a_data_dependent_branch(mesh1):
     assert torch.equal(got, torch.ones(2))
 
 
-def test_tensor_leaked_to_a_nonlocal_is_dropped(mesh1):
+def test_a_tensor_stored_by_the_function_is_state_every_call_rewrites(mesh1):
+    """Made inside and kept (a nonlocal): state.  The first call runs as eager ops, the second
+    (same messages, the first's tensor gone) becomes a recording that rewrites it in place."""
     with mesh1.activate():
-        leaked = None
+        stored = None
 
         @tdmesh.compile
         def fn(x):
-            nonlocal leaked
-            leaked = x + 1  # made inside, not returned: a temporary of the recording
+            nonlocal stored
+            stored = x + 1
             return x * 2
 
-        out = fn(torch.ones(2))
-        assert leaked.dropped
-        with pytest.raises(TypeError, match="DROPPED: tensor .* is dropped at"):
-            leaked + 1
-        got = inspect(out)
-    assert torch.equal(got, torch.full((2,), 2.0))
+        for i in range(5):
+            x = torch.full((2,), float(i))
+            out = fn(x)
+            assert not stored.dropped
+            assert torch.equal(inspect(stored), torch.full((2,), i + 1.0))
+            assert torch.equal(inspect(out), torch.full((2,), 2.0 * i))
+        assert fn.traces == 2 and len(fn.recordings) == 1
+        (rec,) = fn.recordings.values()
+        assert len(rec.kept_refs) == 1 and rec.replays == 3
+        stored = None  # the program drops its state: the recording is stale, the next call traces
+        fn(torch.ones(2))
+        assert fn.traces == 3 and torch.equal(inspect(stored), torch.full((2,), 2.0))
 
 
 def test_a_trace_that_raises_leaves_nothing_behind(mesh1):
@@ -298,19 +306,29 @@ def test_borrow_made_outside_and_used_inside(mesh1):
     assert torch.equal(got, torch.full((2,), 3.0))
 
 
-def test_fetching_inside_is_not_supported(mesh1):
+def test_a_fetch_inside_runs_the_call_eagerly_from_there(mesh1):
+    """A host read inside: the call runs eagerly from the read on (the read sees the workers'
+    value); after EAGER_AFTER such calls the function runs eagerly for good, warning once."""
+    from tdmesh.recording import EAGER_AFTER
+
     @tdmesh.compile
     def fn(x):
         y = x + 1
-        return inspect(y)
+        return y * 2 if inspect(y).sum() > 0 else y * 3
 
     with mesh1.activate():
-        x = torch.ones(2)
-        with pytest.raises(NotImplementedError, match="fetching values inside a compiled function"):
-            fn(x)
-        assert mesh1.client.sink is mesh1.client and fn.traces == 0
-        got = inspect(x + 1)  # the client is not left tracing
-    assert torch.equal(got, torch.full((2,), 2.0))
+        for i in range(EAGER_AFTER - 1):
+            assert torch.equal(inspect(fn(torch.full((2,), float(i)))), torch.full((2,), 2.0 * (i + 1)))
+        assert mesh1.client.sink is mesh1.client and not fn.recordings
+        with pytest.warns(UserWarning, match=r"runs eagerly from now on: it reads a value on the host "
+                                             r"\(.* at .*test_compile.py.*fused=True"):
+            got = fn(-torch.full((2,), 5.0))
+        assert torch.equal(inspect(got), torch.full((2,), -12.0))
+        assert fn.eager_because is not None
+        assert torch.equal(inspect(fn(torch.ones(2))), torch.full((2,), 4.0))  # eager: no trace
+        traces = fn.traces
+        fn(torch.ones(2))
+        assert fn.traces == traces
 
 
 def test_more_than_one_chunk_of_operations(mesh1):
