@@ -54,6 +54,8 @@ __all__ = ["compile"]
 # A function whose calls run eagerly this many times for one reason (host reads, state that
 # never settles, a recording that goes stale every call) runs eagerly from then on, warning once.
 EAGER_AFTER = 4
+STALE_WAY_OUT = ("keep what it reads the same tensors with the same settings (for a learning-rate scheduler, a "
+                 "tensor lr=torch.tensor(...), which the scheduler updates in place)")
 
 
 class _Compiled:
@@ -101,8 +103,7 @@ class _Compiled:
         if stale is not None:  # a tensor it reads or keeps is gone or reshaped, or settings changed
             self.stale_run = self.stale_run + 1 if rec.replays == 0 else 1
             if self.stale_run >= EAGER_AFTER:
-                self._eager_call(f"its recording went stale ({stale})", "stale", "keep what it reads the same tensors "
-                                 "with the same settings (a tensor lr=torch.tensor(...) for a scheduler to update)")
+                self._eager_call(f"its recording went stale ({stale})", "stale", STALE_WAY_OUT, depth=3)
                 return self.fn(*args, **kwargs)
         if captures is None:
             return self._trace_call(client, mesh, key, args, kwargs, inputs)
@@ -157,9 +158,13 @@ class _Compiled:
         if state.why_eager is None:
             previous = self.settling.get(key)
             sig = signature(recorder.messages, state.kept_refs) if state.kept else None
+            settings = [(type(opt).__name__, s) for opt, s in recorder.optimizers.values()]
             if state.kept and (previous is None or previous[0] != sig or any(w() is not None for w in previous[1])):
                 state.why_eager = "it made new state that later calls read"
-                self.settling[key] = (sig, [weakref.ref(r) for r in state.kept])
+                if previous is not None and previous[2] != settings:
+                    state.why_eager = f"the settings of {settings[0][0] if settings else 'an optimizer'} changed"
+                    state.way_out = STALE_WAY_OUT
+                self.settling[key] = (sig, [weakref.ref(r) for r in state.kept], settings)
         if state.why_eager is not None:
             recorder.send_eagerly()
             self._eager_call(state.why_eager, "settle_misses", state.way_out)
@@ -175,7 +180,7 @@ class _Compiled:
                 r.dropped_at = site
         return rec
 
-    def _eager_call(self, why: str, kind: str, way_out: str) -> None:
+    def _eager_call(self, why: str, kind: str, way_out: str, depth: int = 5) -> None:
         """This call ran eagerly; after ``EAGER_AFTER`` such calls the function runs eagerly
         for good, with one warning naming why and the way out."""
         self.misses[kind] = self.misses.get(kind, 0) + 1
@@ -183,7 +188,7 @@ class _Compiled:
             self.eager_because = why
             name = getattr(self.fn, "__name__", "the function")
             warnings.warn(f"tdmesh.compile: {name} runs eagerly from now on: {why}, on each of {EAGER_AFTER} "
-                          f"calls in a row; {way_out}", stacklevel=4)
+                          f"calls in a row; {way_out}", stacklevel=depth)
 
     @property
     def recording_id(self) -> int | None:

@@ -107,12 +107,23 @@ class Recorder:
                     client.delete_ref(ref, mesh)
 
 
+_READ_NAMES = {"_local_scalar_dense": ".item() (or float(), int(), bool())", "is_nonzero": "bool()",
+               "equal": "torch.equal", "values_of": ".tolist()", "describe": "an op whose output shape only the data decides"}
+
+
 def host_read_name(msg) -> str:
     """What a host read inside a trace was, for the warning that names it."""
-    if type(msg) is m.SendValue:
-        fn = msg.function
-        return fn if isinstance(fn, str) else getattr(fn, "__name__", "a fetch")
-    return "a status request"
+    if type(msg) is not m.SendValue:
+        return "a wait for the workers"
+    fn = msg.function
+    if fn is None:
+        return "a fetch (fetch_shard, inspect)"
+    if not isinstance(fn, str):
+        return "a remote function's value"
+    for part, name in _READ_NAMES.items():
+        if part in fn:
+            return name
+    return fn
 
 
 def live_after(refs: list) -> list:
