@@ -108,7 +108,8 @@ class Recorder:
 
 
 _READ_NAMES = {"_local_scalar_dense": ".item() (or float(), int(), bool())", "is_nonzero": "bool()",
-               "equal": "torch.equal", "values_of": ".tolist()", "describe": "an op whose output shape only the data decides"}
+               "equal": "torch.equal", "values_of": ".tolist()",
+               "describe": "an op whose output shape only the data decides"}
 
 
 def host_read_name(msg) -> str:

@@ -57,7 +57,8 @@ class Model(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(10, WIDTH) if prog["embedding"] else None
         make = {"linear": lambda: torch.nn.Linear(WIDTH, WIDTH), "layernorm": lambda: torch.nn.LayerNorm(WIDTH),
-                "batchnorm": lambda: torch.nn.BatchNorm1d(WIDTH), "linear_relu_": lambda: torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(inplace=True)),
+                "batchnorm": lambda: torch.nn.BatchNorm1d(WIDTH),
+                "linear_relu_": lambda: torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(inplace=True)),
                 "tanh": torch.nn.Tanh, "gelu": torch.nn.GELU, "dropout0": lambda: torch.nn.Dropout(0.0)}
         self.body = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), *[make[k]() for k in prog["layers"]])
         self.lazy = prog["lazy_state"]
