@@ -10,7 +10,8 @@ setup(
     # every process without it, and mesh/rank arrays are ndarrays; cloudpickle ships functions
     # that have no import path (closures, the user's script) to the workers.
     install_requires=["torch>=2.11", "numpy", "cloudpickle"],
-    # expecttest: torch.testing._internal (the OpInfo database of the conformance test) imports it
-    extras_require={"test": ["pytest", "hypothesis", "expecttest", "ruff==0.17.6", "mypy==2.4.1"]},
+    # expecttest: torch.testing._internal (the OpInfo database of the conformance test) imports it;
+    # transformers: real models (tiny configs, random weights) that tests train eagerly and compiled
+    extras_require={"test": ["pytest", "hypothesis", "expecttest", "transformers", "ruff==0.17.6", "mypy==2.4.1"]},
     entry_points={"console_scripts": ["tdmesh-worker=tdmesh.worker.__main__:main"]},
 )

@@ -8,11 +8,15 @@ Every worker holds a replica of the model (created under ``mesh.activate()``), d
 batches (each rank seeds its own generator), and after ``loss.backward()`` the gradients are
 averaged over every mesh dim with ``reduce_``: data parallelism written as one program.
 
-The step runs at the fastest path the host has: two eager steps create the gradients and the
-optimizer state, then ``tdmesh.compile`` records the whole step (forward, backward, reduce,
-optimizer) once; each later step is one message per worker, which runs it as a CUDA graph on
-GPU meshes and as one generated function on CPU ones.  ``--eager`` keeps every op dispatched
-from this process instead.  The script says which path the workers took.
+The step runs at the fastest path the host has: it is wrapped in ``tdmesh.compile`` from its
+first call, as a ``torch.compile`` user writes it.  The first call makes the gradients and the
+optimizer state (it runs as the eager ops it traced, so they exist as the program sees them);
+``opt.zero_grad()`` makes new gradients at every step, so the second call runs eagerly too and
+the third, which sends the same messages, becomes a recording of the whole step (forward,
+backward, reduce, optimizer) that rewrites those gradients in place.  Each later step is one
+message per worker, which runs it as a CUDA graph on GPU meshes and as one generated function
+on CPU ones; every step equals the eager step.  ``--eager`` keeps every op dispatched from this
+process instead.  The script says which path the workers took.
 """
 
 import argparse
@@ -55,27 +59,27 @@ def train(mesh: tdmesh.DeviceMesh, steps: int, size: str, batch_size: int, lr: f
 
         def train_step(x, y):
             loss = model(x, y)
-            opt.zero_grad(set_to_none=False)  # the gradients stay the same tensors, as a recording needs
+            opt.zero_grad()
             loss.backward()
             # data parallel: average gradients everywhere (one message, bucketed like DDP)
             tdmesh.reduce_([p.grad for p in model.parameters()], mesh.names, "avg")
             opt.step()
             return loss.detach()
 
-        compiled = tdmesh.compile(train_step)  # cuda_graph: by default wherever the step qualifies
+        step_fn = train_step if eager else tdmesh.compile(train_step)  # a CUDA graph wherever the step qualifies
         start = time.perf_counter()
         for step in range(steps):
             x, y = batch(data, batch_size, cfg.block_size, rank, step)
-            loss = train_step(x, y) if eager or step < 2 else compiled(x, y)
+            loss = step_fn(x, y)
             if step % 10 == 0 or step == steps - 1:
                 avg = loss.reduce(mesh.names, "avg")
                 losses.append(tdmesh.fetch_shard(avg).result().item())
                 print(f"step {step:4d}  loss {losses[-1]:.4f}  ({time.perf_counter() - start:.1f} s)", flush=True)
-        if eager or steps <= 2:
+        if eager or step_fn.recording_id is None:
             print("path: eager (every op dispatched from this process)")
         else:
             modes = tdmesh.call_on_shard_and_fetch(tdmesh.remote("tdmesh.worker.builtins.recording_modes")).result()
-            how = modes.get(compiled.recording_id)
+            how = modes.get(step_fn.recording_id)
             print(f"path: tdmesh.compile, the workers run each step as {_PATHS.get(how, how)}")
     return losses
 
