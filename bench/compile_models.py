@@ -111,7 +111,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ["TDMESH_DEVICE"] = "cpu"
-    print(f"HF models, {args.steps} steps from step 0, 1 {args.device} worker vs local torch, torch {torch.__version__}")
+    print(f"HF models, {args.steps} steps from step 0, 1 {args.device} worker vs local torch, "
+          f"torch {torch.__version__}")
     print(f"  {'model':<7} {'optimizer':<22} {'eager rel':>10} {'compiled rel':>13}  compiled step ran as")
     with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh:
         for kind, optimizer in ROWS:
