@@ -90,10 +90,11 @@ def local_reference(kind: str, optimizer: str, steps: int, device: str) -> tuple
 
 def on_mesh(mesh, kind: str, optimizer: str, state: dict, steps: int, compiled: bool):
     """The row on ``mesh``: (losses, final parameters, the compiled function or None)."""
+    data = batch(kind)  # made locally, then shipped
     with mesh.activate(), warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        losses, model, fn = train(kind, optimizer, tdmesh.to_mesh(state, mesh), tdmesh.to_mesh(batch(kind), mesh),
-                                  compiled, steps)
+        losses, model, fn = train(kind, optimizer, tdmesh.to_mesh(state, mesh), tdmesh.to_mesh(data, mesh), compiled,
+                                  steps)
         got = [tdmesh.fetch_shard(x).result().item() for x in losses]
         params = tdmesh.fetch_shard([p.detach() for p in model.parameters()]).result()
     fn.said = [str(w.message) for w in said if "tdmesh.compile" in str(w.message)]  # type: ignore[attr-defined]
