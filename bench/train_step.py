@@ -41,6 +41,9 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--inductor", action="store_true", help="also backend='inductor' (compiles for a while)")
+    p.add_argument("--keep-grads", action="store_true",
+                   help="zero_grad(set_to_none=False): the same gradient tensors every step (default: torch's "
+                        "default, new gradients every step, which a compiled step rewrites as its state)")
     args = p.parse_args(argv)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if args.device == "cpu":
@@ -84,7 +87,7 @@ def main(argv=None) -> None:
             def step(x, y):
                 with torch.autocast(mesh.device_type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
                     loss = model(x, y)
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=not args.keep_grads)
                 loss.backward()
                 tdmesh.reduce_([prm.grad for prm in model.parameters()], mesh.names, "avg")
                 opt.step()
@@ -139,7 +142,7 @@ def main(argv=None) -> None:
             step_s, final_c = timed(fn, SETUP_STEPS)
             compiled.append((label, step_s, final_c, issue_s[fn], setup_s))
     print(f"\ntrain step, {args.size} GPT, {args.dtype}, {args.workers} {args.device} workers, "
-          f"batch {args.batch_size}/worker, torch {torch.__version__}")
+          f"batch {args.batch_size}/worker, zero_grad(set_to_none={not args.keep_grads}), torch {torch.__version__}")
     print(f"  torchrun DDP   : {ddp_s * 1e3:9.2f} ms/step   ({line.split('LOSS')[1].strip()} final loss)")
     if ro_line is not None:
         ro = ro_line.split()
