@@ -35,6 +35,9 @@ def signature(messages, kept=()) -> list:
             return norm(pickle.loads(x))
         if isinstance(x, torch.Tensor):
             return ("tensor", tuple(x.shape), str(x.dtype))
+        if t is m.PackedTensor:  # a local tensor shipped by the function: its bytes are part of the op
+            data = x.data.raw() if isinstance(x.data, pickle.PickleBuffer) else memoryview(x.data)
+            return ("packed", x.dtype, tuple(x.shape), bytes(data))
         return x
 
     rows = []

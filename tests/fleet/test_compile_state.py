@@ -188,3 +188,24 @@ def test_host_read_in_a_compiled_function_reads_every_rank(mesh2x2):
         with pytest.raises(ValueError, match="disagree"):
             fn(torch.ones(2) * (mesh2x2.rank("gpu") - 0.5))
         assert inspect(fn(torch.ones(2)))[0].item() == 2.0
+
+
+def test_state_made_with_a_local_constant_shipped_inside_settles(mesh1):
+    """A local tensor copied to the mesh inside the step (``torch.tensor(local)``, as some
+    Hugging Face code does) travels with its bytes: two traces of equal bytes are the same
+    messages, so the state settles (it did not: each trace's buffer object compared unequal)."""
+    with tdmesh.no_mesh.activate():
+        two = torch.full((), 2.0)
+    with mesh1.activate():
+        box: dict = {}
+
+        @tdmesh.compile
+        def fn(x):
+            box["y"] = x * torch.tensor(two)  # new state every call, the last one's dropped
+            return x + 1
+
+        for i in range(5):
+            fn(torch.full((2,), float(i)))
+        assert inspect(box["y"])[0].item() == 8.0
+        assert fn.traces == 2 and fn.eager_because is None
+        assert sum(r.replays for r in fn.recordings.values()) == 3
