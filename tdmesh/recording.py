@@ -150,6 +150,11 @@ class _Compiled:
         """What a finished trace becomes: a recording (returned, not yet released), or None when
         the call has run as eager ops (sent here) -- see the module docstring for the rules."""
         if recorder.host_read is not None:  # sent already, from the read on
+            if self.cuda_graph:
+                raise UsageError(f"tdmesh.compile(cuda_graph=True): {getattr(self.fn, '__name__', 'the function')} "
+                                 f"reads a value on the host ({recorder.host_read}), which a CUDA graph cannot "
+                                 f"capture (this call ran eagerly); read it after the call, or use cuda_graph=None "
+                                 f"to let such calls run eagerly\n  at {user_line()}")
             self._eager_call(f"it reads a value on the host ({recorder.host_read})", "host_reads",
                              "fetch after the call, or for torch.optim pass fused=True (or capturable=True on CUDA), "
                              "which read nothing on the host")

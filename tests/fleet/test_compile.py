@@ -331,6 +331,19 @@ def test_a_fetch_inside_runs_the_call_eagerly_from_there(mesh1):
         assert fn.traces == traces
 
 
+def test_cuda_graph_required_refuses_a_host_read_at_the_users_line(mesh1):
+    @tdmesh.compile(cuda_graph=True)
+    def fn(x):
+        return x * 2 if bool((x > 0).all()) else x
+
+    with mesh1.activate():
+        with pytest.raises(tdmesh.UsageError, match=r"(?s)cuda_graph=True.*reads a value on the host \(\.item\(\).*"
+                                                    r"cannot capture.*test_compile.py"):
+            fn(torch.ones(2))
+        assert mesh1.client.sink is mesh1.client and mesh1.client.delete_holder is None
+        assert torch.equal(inspect(torch.ones(2) + 1), torch.full((2,), 2.0))
+
+
 def test_more_than_one_chunk_of_operations(mesh1):
     n = MAX_COMMANDS_PER_CHUNK + 150
 
