@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from .. import messages as m
 from ..errors import ProtocolViolation
 from . import collectives
+from .compile_once import compile_once_per_host
 from .functions import resolve
 from .ops import call_source, holds, on_device
 from .values import Poison
@@ -128,8 +129,8 @@ class Program:
         exec(compile(source, f"<tdmesh program {rec.id}>", "exec"), self.consts)  # noqa: S102
         self.run: Callable[[dict, tuple, tuple], bool] = self.consts["program"]
         self.code = self.consts["body"].__code__
-        if inductor:
-            self.consts["body"] = torch.compile(self.consts["body"], dynamic=False)
+        if inductor:  # one compile per host: the other ranks load torch's caches
+            compile_once_per_host(self.consts, "body", source)
         self.capture_refs = [r for r in self._input_refs if r not in self._formals]
         self.result_count = len(rec.results)
 

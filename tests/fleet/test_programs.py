@@ -122,6 +122,31 @@ def test_inductor_compiles_each_workers_program_and_an_error_fails_the_whole_cal
         assert torch.equal(fetch_shard(again[1]).result(), a * 2)
 
 
+def inductor_cache_counts() -> tuple[int, int]:
+    """This worker's (FX graph cache misses, hits): runs on the workers."""
+    from torch._dynamo.utils import counters
+    return counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU kernels need a C++ compiler")
+def test_the_ranks_of_a_host_compile_an_inductor_program_once(tmp_path, monkeypatch):
+    """Two ranks of one host, one recording, an empty inductor cache: one rank compiles (a
+    cache miss) while the other waits on the host lock and loads what it compiled (a hit);
+    without the lock both compile at once (two misses)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2, pool=False) as mesh, mesh.activate():
+        fn = tdmesh.compile(lambda x: (x * 3 + 1).sin().sum(0), backend="inductor")
+        out = fn(torch.ones(4, 4) * mesh.rank("gpu"))
+        got = tdmesh.fetch_all(out).result()
+        counts = tdmesh.remote(inductor_cache_counts).call().result()
+    for point, value in got:
+        assert torch.allclose(value, (torch.ones(4, 4) * point["gpu"] * 3 + 1).sin().sum(0))
+    misses = sum(c[0] for _, c in counts)
+    hits = sum(c[1] for _, c in counts)
+    assert (misses, hits) == (1, 1), list(counts)
+
+
 def test_a_failed_write_to_a_captured_tensor_fails_its_later_reads_on_the_client(mesh1):
     """A captured tensor the function writes in place (a parameter an optimizer updates) is a
     capture that the call mutates, not a ref the recording defines: the client keeps it alive
