@@ -59,6 +59,8 @@ VARIABLES = {
     "TDMESH_MAX_ITEMS": (str(1 << 22), "entries of the largest tuple or dict field of a message (refs, arguments); "
                                        "a larger one ends the sender's session"),
     "TDMESH_TEST_MESH": ("2x2", "tests only: HOSTSxGPUS, the mesh of the collective and stream suites"),
+    "TDMESH_DIFFERENTIAL_EXAMPLES": ("300", "tests only: examples of the eager-vs-compiled differential test"),
+    "TDMESH_DIFFERENTIAL_SEED": ("26", "tests only: hypothesis's seed for the differential test"),
 }
 
 

@@ -10,7 +10,6 @@ losses, parameters, gradients, buffers and optimizer state of both ranks must be
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -19,9 +18,10 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import tdmesh
+from tdmesh.config import env_int
 
-EXAMPLES = int(os.environ.get("TDMESH_DIFFERENTIAL_EXAMPLES", "300"))
-SEED = int(os.environ.get("TDMESH_DIFFERENTIAL_SEED", "26"))
+EXAMPLES = env_int("TDMESH_DIFFERENTIAL_EXAMPLES")
+SEED = env_int("TDMESH_DIFFERENTIAL_SEED")
 STEPS = 5  # state that is made anew every call settles at the third: steps 4 and 5 replay
 WIDTH = 4
 
