@@ -19,7 +19,7 @@ from . import messages as m
 from ._context import active_mesh_or_none
 from .codec import pack_tensor
 from .errors import UsageError, user_line
-from .host_reads import read_on_host
+from .host_reads import read_name, read_on_host
 from .issue import New, issue, issue_op
 from .placement import check_inputs, check_mutation
 from .plan import MAX_PLANS, PLANS, OpPlan, make_plan, outputs_of
@@ -33,8 +33,6 @@ __all__ = ["dispatch", "ship_local", "MESH_MODE"]
 
 # Ops whose answer is a Python value on the client: they need a fetch, not a dispatch.
 _NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item"}
-_READS = {"aten::_local_scalar_dense": "a host read (.item(), float(), int(), bool())", "aten::item": ".item()",
-          "aten::is_nonzero": "bool()", "aten::equal": "torch.equal"}  # how error messages name them
 _LIFT = ("aten::lift_fresh", "aten::lift")
 # Questions a proxy's metadata answers without asking the workers.
 _STRUCTURE_QUERIES = {"prim::device", "aten::_nnz", "aten::sparse_dim", "aten::dense_dim", "aten::is_coalesced",
@@ -261,7 +259,7 @@ def _value_on_client(func, args, kwargs, remote):
         if name == "prim::device":  # asked of sparse proxies only: a wrapper knows its device
             return remote[0]._device
         return func(*_on_meta(args), **_on_meta(kwargs))
-    what = f"{_READS.get(name, func.__name__.split('.')[0])} of {describe(remote[0])}"
+    what = f"{read_name(name)} of {describe(remote[0])}"
     return read_on_host(remote[0]._mesh, op_path(func), args, kwargs, what)
 
 

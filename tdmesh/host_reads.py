@@ -14,14 +14,22 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ._coalescing import check_not_coalescing
 from .errors import user_line
 from .fetch import send_value
 from .tensor import Tensor, describe
 
-__all__ = ["read_on_host", "agreed"]
+__all__ = ["read_on_host", "agreed", "read_name"]
+
+# How messages name a host read, by a part of its op or builtin's path
+_READ_NAMES = {"_local_scalar_dense": ".item() (or float(), int(), bool())", "aten::item": ".item()",
+               "is_nonzero": "bool()", "equal": "torch.equal", "values_of": ".tolist()",
+               "describe": "an op whose output shape only the data decides"}
+
+
+def read_name(path: str) -> str:
+    """The name a user knows a host read by (``.item()``, ``bool()`` ...), from its path."""
+    return next((name for part, name in _READ_NAMES.items() if part in path), path)
 
 
 def _same(a, b) -> bool:
@@ -83,4 +91,3 @@ def _format(self, spec: str) -> str:
 Tensor.tolist = _tolist  # type: ignore[method-assign]
 Tensor.numpy = _numpy  # type: ignore[method-assign]
 Tensor.__format__ = _format  # type: ignore[method-assign]
-_ = torch  # torch's own methods are the ones replaced above

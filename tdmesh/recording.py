@@ -72,7 +72,8 @@ class _Compiled:
         self.last: Recording | None = None
         self.recordings: dict = {}
         self.traces = 0
-        self.settling: dict = {}  # key -> (signature, weakrefs to the state) of its last trace that made state
+        self.settling: dict = {}  # key -> (signature, weakrefs to its state, optimizer settings) of its last
+        #                           trace that made state
         self.misses: dict[str, int] = {}  # calls that ran eagerly, by why, since the last recording
         self.eager_because: str | None = None  # set once the function runs eagerly for good
         self.stale_run = 0  # recordings in a row that went stale before their first replay
@@ -103,7 +104,7 @@ class _Compiled:
         if stale is not None:  # a tensor it reads or keeps is gone or reshaped, or settings changed
             self.stale_run = self.stale_run + 1 if rec.replays == 0 else 1
             if self.stale_run >= EAGER_AFTER:
-                self._eager_call(f"its recording went stale ({stale})", "stale", STALE_WAY_OUT, depth=3)
+                self._eager_for_good(f"its recording went stale ({stale})", STALE_WAY_OUT, depth=3)
                 return self.fn(*args, **kwargs)
         if captures is None:
             return self._trace_call(client, mesh, key, args, kwargs, inputs)
@@ -185,15 +186,20 @@ class _Compiled:
                 r.dropped_at = site
         return rec
 
-    def _eager_call(self, why: str, kind: str, way_out: str, depth: int = 5) -> None:
+    def _eager_call(self, why: str, kind: str, way_out: str) -> None:
         """This call ran eagerly; after ``EAGER_AFTER`` such calls the function runs eagerly
-        for good, with one warning naming why and the way out."""
+        for good."""
         self.misses[kind] = self.misses.get(kind, 0) + 1
-        if self.misses[kind] >= EAGER_AFTER or kind == "stale":
-            self.eager_because = why
-            name = getattr(self.fn, "__name__", "the function")
-            warnings.warn(f"tdmesh.compile: {name} runs eagerly from now on: {why}, on each of {EAGER_AFTER} "
-                          f"calls in a row; {way_out}", stacklevel=depth)
+        if self.misses[kind] >= EAGER_AFTER:
+            self._eager_for_good(why, way_out, depth=6)
+
+    def _eager_for_good(self, why: str, way_out: str, depth: int) -> None:
+        """Run eagerly from now on, with one warning (at the user's call: ``depth`` frames up)
+        naming why and the way out."""
+        self.eager_because = why
+        name = getattr(self.fn, "__name__", "the function")
+        warnings.warn(f"tdmesh.compile: {name} runs eagerly from now on: {why}, on each of {EAGER_AFTER} "
+                      f"calls in a row; {way_out}", stacklevel=depth)
 
     @property
     def recording_id(self) -> int | None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from . import messages as m
 from .errors import call_site, user_line
+from .host_reads import read_name
 
 __all__ = ["Recorder", "host_read_name", "live_after"]
 
@@ -39,7 +40,6 @@ class Recorder:
     def __init__(self, client) -> None:
         self.client = client
         self.entries: list[tuple] = []  # client.submit's arguments: (ranks, msg, seq, uses, defs, future, site)
-        self.messages: list[tuple[tuple, object, list, list]] = []
         self.created: list = []  # weakrefs to the RefOwners made while tracing
         self.devices: set[str] = set()  # the device types of the tensors it made
         self.first_ref = client.next_ref  # refs from here on are made by the trace
@@ -65,7 +65,11 @@ class Recorder:
         if seq is not None and site is None:
             site = call_site()
         self.entries.append((ranks, msg, seq, uses, defs, future, site))
-        self.messages.append((tuple(ranks), msg, list(uses), list(defs)))
+
+    @property
+    def messages(self) -> list[tuple[tuple, object, list, list]]:
+        """The kept ops as a recording holds them: ``(ranks, message, uses, defs)``."""
+        return [(tuple(ranks), msg, list(uses), list(defs)) for ranks, msg, _, uses, defs, _, _ in self.entries]
 
     def hold_delete(self, ref: int, mesh) -> bool:
         """Whether the free of ``ref`` (a proxy died) waits for the trace's outcome: refs the
@@ -107,11 +111,6 @@ class Recorder:
                     client.delete_ref(ref, mesh)
 
 
-_READ_NAMES = {"_local_scalar_dense": ".item() (or float(), int(), bool())", "is_nonzero": "bool()",
-               "equal": "torch.equal", "values_of": ".tolist()",
-               "describe": "an op whose output shape only the data decides"}
-
-
 def host_read_name(msg) -> str:
     """What a host read inside a trace was, for the warning that names it."""
     if type(msg) is not m.SendValue:
@@ -121,10 +120,7 @@ def host_read_name(msg) -> str:
         return "a fetch (fetch_shard, inspect)"
     if not isinstance(fn, str):
         return "a remote function's value"
-    for part, name in _READ_NAMES.items():
-        if part in fn:
-            return name
-    return fn
+    return read_name(fn)
 
 
 def live_after(refs: list) -> list:
