@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 from .. import messages as m
 from ..errors import ProtocolViolation
 from . import collectives
-from .compile_once import compile_once_per_host
+from .compile_once import compile_once_per_host, yielding_host_lock
 from .functions import resolve
 from .ops import call_source, holds, on_device
 from .values import Poison
@@ -87,8 +87,8 @@ class Program:
                                        "reduce": collectives.reduce, "reduce_many": collectives.reduce_many}
         if inductor:  # collectives run as they are, between compiled graphs (dynamo does not trace them)
             from torch import _dynamo
-            self.consts["reduce"] = _dynamo.disable(collectives.reduce)
-            self.consts["reduce_many"] = _dynamo.disable(collectives.reduce_many)
+            self.consts["reduce"] = _dynamo.disable(yielding_host_lock(collectives.reduce))
+            self.consts["reduce_many"] = _dynamo.disable(yielding_host_lock(collectives.reduce_many))
         body: list[str] = []
         self.step_of_line: dict[int, int] = {}
         self.defined_before: list[list[tuple[int, str]]] = []  # per step: (ref, local) defined by earlier steps

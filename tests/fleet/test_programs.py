@@ -147,6 +147,32 @@ def test_the_ranks_of_a_host_compile_an_inductor_program_once(tmp_path, monkeypa
     assert (misses, hits) == (1, 1), list(counts)
 
 
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU kernels need a C++ compiler")
+def test_a_collective_between_compiled_graphs_does_not_hold_the_host_lock(tmp_path, monkeypatch):
+    """A reduce between two compiled graphs, 2 ranks, an empty cache: the rank that compiles
+    first lets the host lock go while it waits in the collective, so the other rank reaches
+    it (holding it there hung both ranks); each graph is still compiled by one rank only."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2, pool=False) as mesh, mesh.activate():
+        @tdmesh.compile(backend="inductor")
+        def fn(x):
+            y = (x * 3 + 1).sin()
+            y.reduce_("gpu", "sum")
+            return y.cos() * 2
+
+        x = torch.ones(4, 4) * mesh.rank("gpu")
+        out = fn(x)
+        got = tdmesh.fetch_all(out).result()
+        counts = tdmesh.remote(inductor_cache_counts).call().result()
+    both = sum((torch.ones(4, 4) * g * 3 + 1).sin() for g in range(2))
+    for _, value in got:
+        assert torch.allclose(value, both.cos() * 2)
+    misses = sum(c[0] for _, c in counts)
+    hits = sum(c[1] for _, c in counts)
+    assert (misses, hits) == (2, 2), list(counts)
+
+
 def test_a_failed_write_to_a_captured_tensor_fails_its_later_reads_on_the_client(mesh1):
     """A captured tensor the function writes in place (a parameter an optimizer updates) is a
     capture that the call mutates, not a ref the recording defines: the client keeps it alive
