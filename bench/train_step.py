@@ -8,7 +8,8 @@ Same model (tutorials/nanogpt.py), same initial weights, same per-rank batches, 
 optimizer, same number of workers, in one run: the DDP baseline runs under torchrun in a
 subprocess first, then tdmesh drives a local mesh from this process.  The tdmesh step is
 timed as the average over ``--steps`` steps ending in one fetch (so the workers' backlog is
-included), eagerly (every op dispatched from this process) and as a ``tdmesh.compile``d step
+included; the batches are made before the timer starts, as DDP's are), eagerly (every op
+dispatched from this process) and as a ``tdmesh.compile``d step
 compiled from step 0 on a fresh model (one message per step once it records; its first three
 steps, which trace and compile, are timed apart); DDP's as the median step (synchronised).
 Every variant trains the same steps from the same weights, so their final losses compare.  Gradients
@@ -97,9 +98,12 @@ def main(argv=None) -> None:
         issue_s: dict = {}
 
         def timed(fn, first: int) -> tuple[float, float]:
+            # the batches are made before the timer starts, as DDP's loop makes each batch before its timer
+            batches = [batch(data, args.batch_size, cfg.block_size, rank, i) for i in range(first, first + args.steps)]
+            tdmesh.fetch_shard(batches[-1][0]).result()
             start = time.perf_counter()
-            for i in range(first, first + args.steps):
-                loss = fn(*batch(data, args.batch_size, cfg.block_size, rank, i))
+            for x, y in batches:
+                loss = fn(x, y)
             issue_s[fn] = (time.perf_counter() - start) / args.steps  # the client's own time per step
             final = tdmesh.fetch_shard(loss).result()
             return (time.perf_counter() - start) / args.steps, float(final)
