@@ -45,6 +45,7 @@ def baseline(args, cfg, tokens) -> float:
     import torch
 
     from bench.helpers import train_optimizer
+
     from nanogpt import GPT
     fresh_cache()
     device = args.device
@@ -75,6 +76,7 @@ def tdmesh_compile(args, cfg, tokens, workers: int) -> tuple[list[float], str]:
 
     import tdmesh
     from bench.helpers import train_optimizer
+
     from nanogpt import GPT
     train = __import__("runpy").run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
     fresh_cache()

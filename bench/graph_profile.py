@@ -1,0 +1,96 @@
+"""Where a CUDA-graph replay of the small GPT step spends its time, ``zero_grad()`` against
+``zero_grad(set_to_none=False)``, same run (GPU only):
+
+    python3 -m bench.graph_profile
+
+Per variant (each twice, alternating): ms per step over 30 replays (batches made before the
+timer), then 5 replays under ``tdmesh.profile``: rank 0's event categories per step, the GPU
+kernels' span and busy time, and the host ops that took longest.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import runpy
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tutorials"))
+PROFILED = 5
+
+
+def summarise(trace_path: str) -> None:
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if "dur" in e]
+    cats: dict = collections.defaultdict(lambda: [0, 0.0])
+    names: dict = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        cat = e.get("cat")
+        cats[cat][0] += 1
+        cats[cat][1] += e["dur"]
+        if cat in ("cpu_op", "cuda_runtime"):
+            names[(cat, e["name"][:60])][0] += 1
+            names[(cat, e["name"][:60])][1] += e["dur"]
+    per_step = {k: (v[0] // PROFILED, round(v[1] / PROFILED / 1e3, 3)) for k, v in cats.items()}
+    print("  categories (count, ms per step):", per_step)
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if kernels:
+        span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+        busy = sum(e["dur"] for e in kernels)
+        print(f"  GPU kernels: span {span / PROFILED / 1e3:.3f} ms per step, busy {busy / PROFILED / 1e3:.3f} ms")
+    for (cat, name), (n, dur) in sorted(names.items(), key=lambda kv: -kv[1][1])[:10]:
+        print(f"    {cat:13s} {name:60s} {n / PROFILED:7.1f}/step {dur / PROFILED / 1e3:8.3f} ms/step")
+
+
+def main() -> None:
+    import torch
+
+    import tdmesh
+    from bench.helpers import train_optimizer
+
+    from nanogpt import GPT, sized
+    train = runpy.run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
+    cfg, tokens = sized("small")
+    batch = tdmesh.remote(train["seeded_batch"], propagate=lambda d, b, t, r, s: (
+        torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh, mesh.activate():
+        data = torch.tensor(tokens)
+        rank = mesh.rank(mesh.names)
+        for keep in (False, True, False, True):
+            tdmesh.random.set_manual_seed_remote(0)
+            model = GPT(cfg)
+            opt = train_optimizer(model.parameters(), True)
+
+            def step(x, y):
+                loss = model(x, y)  # noqa: B023 - each variant's own model
+                opt.zero_grad(set_to_none=not keep)  # noqa: B023 - each variant's own step
+                loss.backward()
+                tdmesh.reduce_([p.grad for p in model.parameters()], mesh.names, "avg")  # noqa: B023
+                opt.step()  # noqa: B023
+                return loss.detach()
+
+            fn = tdmesh.compile(step, cuda_graph=True)
+            xs = [batch(data, 8, cfg.block_size, rank, i) for i in range(35 + PROFILED)]
+            for x, y in xs[:5]:
+                loss = fn(x, y)
+            tdmesh.fetch_shard(loss).result()
+            start = time.perf_counter()
+            for x, y in xs[5:35]:
+                loss = fn(x, y)
+            tdmesh.fetch_shard(loss).result()
+            per_step = (time.perf_counter() - start) / 30
+            print(f"zero_grad(set_to_none={not keep}): {per_step * 1e3:.3f} ms/step, mode {fn.mode}, "
+                  f"{len(fn.last.kept_refs)} state refs", flush=True)
+            with tdmesh.profile(tempfile.mkdtemp()) as traces:
+                for x, y in xs[35:]:
+                    loss = fn(x, y)
+                tdmesh.fetch_shard(loss).result()
+            summarise(os.path.join(traces, "rank0.trace.json"))
+
+
+if __name__ == "__main__":
+    main()
