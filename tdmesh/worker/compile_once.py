@@ -65,5 +65,5 @@ def yielding_host_lock(collective):
         finally:
             fcntl.flock(lock, fcntl.LOCK_EX)
 
-    run.__wrapped__ = collective  # type: ignore[attr-defined]
+    run.__wrapped__ = collective
     return run
