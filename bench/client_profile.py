@@ -13,9 +13,9 @@ for where the time goes, the first line for how much there is.  Rows are grouped
 
   torch          torch's own Python and C++ work (argument parsing, autograd, its dispatch)
                  (a Python builtin such as dict.get or pickle.dumps counts for its callers)
-  dispatch       tdmesh.dispatch / plan / placement / propagation: an aten call -> an op
-  issue          tdmesh.issue, tdmesh.tensor: refs, proxies, the message
-  send           tdmesh.client.submit, history, encoding, sockets
+  dispatch       tdmesh.engine.dispatch / plan / placement / propagation: an aten call -> an op
+  issue          tdmesh.engine.issue, tdmesh.engine.tensor: refs, proxies, the message
+  send           tdmesh.engine.client.submit, history, encoding, sockets
   call site      tdmesh.errors.call_site: the user's line, for errors
   other          everything else (the user's model code, the optimizer's Python)
 """

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Same framing as tdmesh.transport: MAGIC | u64 length | u32 CRC-32 | payload (16-byte header).
+# Same framing as tdmesh.protocol.transport: MAGIC | u64 length | u32 CRC-32 | payload (16-byte header).
 # Re-declared here so the raw baseline does not go through tdmesh's code at all.
 FRAME_MAGIC = b"TDM1"
 FRAME_HEADER = struct.Struct("!4sQI")

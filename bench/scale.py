@@ -123,7 +123,7 @@ def run_real(layouts, ops: int, fetches: int, direct: bool, hogs: int = 0) -> li
 def _spawn_sim(hosts: int, per_host: int, fanout: int):
     """The simulated hosts; returns them and the function that wires them into a relay tree
     under the client once its gate listens (``accept_workers``'s ``announce``)."""
-    from tdmesh.fanout import relay_parents, subtree_hosts
+    from tdmesh.geometry.fanout import relay_parents, subtree_hosts
     direct = hosts * per_host == 1
     procs, ports = [], []
     for host in range(hosts):
@@ -149,11 +149,11 @@ def run_sim(layouts, ops: int, fetches: int, fanout: int) -> list[dict]:
     import torch
 
     import tdmesh
-    from tdmesh.client import Client
-    from tdmesh.fleet import Fleet, accept_workers
+    from tdmesh.engine.client import Client
+    from tdmesh.fleet.job import Fleet, accept_workers
+    from tdmesh.geometry.shape import Shape
+    from tdmesh.geometry.slice import Slice
     from tdmesh.mesh import DeviceMesh
-    from tdmesh.shape import Shape
-    from tdmesh.slice import Slice
     rows = []
     for hosts, per_host in layouts:
         world = hosts * per_host

@@ -25,10 +25,10 @@ if "tdmesh" not in sys.modules:  # the package's __init__ imports torch; a sink 
     _package.__path__ = [os.path.join(REPO, "tdmesh")]
     sys.modules["tdmesh"] = _package
 
-from tdmesh import messages as m  # noqa: E402
-from tdmesh.handshake import join  # noqa: E402
-from tdmesh.relay import Relay  # noqa: E402
-from tdmesh.transport import ALL_RANKS, DEFINE_SET, ENTRY, MAGIC, RELAY_MAGIC, connect  # noqa: E402
+from tdmesh.protocol import messages as m  # noqa: E402
+from tdmesh.protocol.handshake import join  # noqa: E402
+from tdmesh.protocol.relay import Relay  # noqa: E402
+from tdmesh.protocol.transport import ALL_RANKS, DEFINE_SET, ENTRY, MAGIC, RELAY_MAGIC, connect  # noqa: E402
 
 _NONE = pickle.dumps(None)
 

@@ -13,10 +13,10 @@ transport, is the "worker"):
       - 10,000 pickled CallFunction messages (~180 B each), one message per send; the
         peer unpickles each;
       - the same 10,000 messages concatenated into ~256 KiB batches, as tdmesh's client
-        does (tdmesh.client._FLUSH_BYTES); the peer unpickles every message of a batch;
+        does (tdmesh.engine.client._FLUSH_BYTES); the peer unpickles every message of a batch;
       - 1 MiB opaque payloads (no unpickling).
 
-tdmesh side: ``tdmesh.transport.Connection`` exactly as the client and workers use it.
+tdmesh side: ``tdmesh.protocol.transport.Connection`` exactly as the client and workers use it.
 zmq side: a PAIR socket pair over tcp://127.0.0.1; payloads of 64 KiB or more are sent and
 received with ``copy=False`` (pyzmq's zero-copy path), smaller ones with plain send/recv.
 Measurements alternate between the two transports (round by round) so that load from other
@@ -60,13 +60,13 @@ class TcpSide:
 
     @classmethod
     def accept(cls, srv) -> TcpSide:
-        from tdmesh.transport import Connection
+        from tdmesh.protocol.transport import Connection
         sock, _ = srv.accept()
         return cls(Connection(sock))
 
     @classmethod
     def connect(cls, port: int) -> TcpSide:
-        from tdmesh.transport import connect
+        from tdmesh.protocol.transport import connect
         return cls(connect("127.0.0.1", port))
 
     def send(self, payload) -> None:
@@ -124,8 +124,8 @@ class ZmqSide:
 # ------------------------------------------------------------------------- the peer process
 def serve(kind: str) -> None:
     """The worker side: announce a port on stdout, then obey control messages."""
-    import tdmesh.messages  # noqa: F401  (the CallFunction pickles need it; import before timing)
-    from tdmesh.transport import decode
+    import tdmesh.protocol.messages  # noqa: F401  (the CallFunction pickles need it; import before timing)
+    from tdmesh.protocol.transport import decode
     if kind == "tcp":
         srv, port = TcpSide.listen()
         print(port, flush=True)
@@ -182,8 +182,8 @@ def finish(side) -> None:
 # ------------------------------------------------------------------------- the measurements
 def call_function_messages(n: int) -> list[bytes]:
     """``n`` encoded CallFunction messages the size of a small op (~180 B each)."""
-    from tdmesh import messages as m
-    from tdmesh.transport import encode
+    from tdmesh.protocol import messages as m
+    from tdmesh.protocol.transport import encode
     return [encode(m.CallFunction(100_000 + i, (200_000 + i,), (), "torch.ops.aten.addmm.default",
                                   (m.Ref(200_000 + i - 3), m.Ref(200_000 + i - 2), m.Ref(200_000 + i - 1)),
                                   {"beta": 0.5, "alpha": 2.0})) for i in range(n)]

@@ -5,28 +5,31 @@
         print(tdmesh.fetch_shard(x, host=0, gpu=1).result())
 """
 
-from . import random
-from ._coalescing import coalescing
-from ._context import get_active_mesh
-from .activation import no_mesh
+from . import (
+    pool,  # noqa: F401 - tdmesh.pool.clear()
+    random,
+)
 from .borrow import Borrow
 from .collectives import MeshSliceTensor, reduce, reduce_, slice_mesh, to_mesh
 from .config import ControllerParams, SupervisionParams
+from .engine.activation import no_mesh
+from .engine.coalescing import coalescing
+from .engine.context import get_active_mesh
+from .engine.fetch import fetch_all, fetch_shard, inspect, show
+from .engine.future import Future, ValueMesh, as_completed
+from .engine.stream import Stream, get_active_stream
+from .engine.tensor import Tensor
 from .errors import DeviceException, PlacementError, RemoteException, TdmeshError, UsageError
-from .fetch import fetch_all, fetch_shard, inspect, show
-from .future import Future, ValueMesh, as_completed
+from .geometry.shape import Shape, UnknownDimError
+from .geometry.slice import Slice
 from .launcher import LoggingLocation, attach, local_mesh, local_meshes, restart_count, world_mesh
 from .logs import set_log_level
 from .mesh import DeviceMesh, RemoteProcessGroup
 from .objects import ObjectHandle, ObjectMethod
-from .optim import register_foreach_support  # noqa: F401 - registers tdmesh.Tensor with torch.optim
 from .profiling import profile
-from .recording import compile
+from .programs.optim import register_foreach_support  # noqa: F401 - registers tdmesh.Tensor with torch.optim
+from .programs.recording import compile
 from .remote import Remote, call_on_shard_and_fetch, remote
-from .shape import Shape, UnknownDimError
-from .slice import Slice
-from .stream import Stream, get_active_stream
-from .tensor import Tensor
 
 __all__ = [
     "Slice", "Shape", "UnknownDimError", "DeviceMesh", "get_active_mesh", "no_mesh",

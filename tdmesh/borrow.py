@@ -3,18 +3,18 @@
 A read borrow makes the origin and the borrowed tensor read-only until dropped; a mutable
 borrow makes the origin unusable until dropped.  Breaking either rule is a
 :class:`~tdmesh.errors.PlacementError` at the user's line.  ``Stream.borrow`` is defined
-here, above :mod:`tdmesh.stream`, because lending issues messages.
+here, above :mod:`tdmesh.engine.stream`, because lending issues messages.
 """
 
 from __future__ import annotations
 
 import warnings
 
-from . import messages as m
+from .engine.issue import New, issue, issue_message
+from .engine.stream import Stream
+from .engine.tensor import AliasSet, Tensor, raise_in_op
 from .errors import UsageError, call_site, site_text, user_line
-from .issue import New, issue, issue_message
-from .stream import Stream
-from .tensor import AliasSet, Tensor, raise_in_op
+from .protocol import messages as m
 
 __all__ = ["Borrow"]
 

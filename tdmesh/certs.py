@@ -28,6 +28,8 @@ def make_certificates(directory: str) -> dict[str, str]:
 
 
 if __name__ == "__main__":  # python -m tdmesh.certs DIR: certificates for a trial TLS job
-    import sys
-    for name, value in make_certificates(sys.argv[1] if len(sys.argv) > 1 else "tdmesh-tls").items():
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m tdmesh.certs", description=make_certificates.__doc__)
+    parser.add_argument("directory", nargs="?", default="tdmesh-tls", help="where to write them (default tdmesh-tls)")
+    for name, value in make_certificates(parser.parse_args().directory).items():
         print(f"export {name}={value}")

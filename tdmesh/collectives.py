@@ -15,15 +15,15 @@ from typing import NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import messages as m
-from .dispatch import ship_local
+from .engine.dispatch import ship_local
+from .engine.issue import New, issue
+from .engine.placement import check_inputs, check_mutation, check_no_grad
+from .engine.propagation import TensorMeta
+from .engine.stream import get_active_stream
+from .engine.tensor import Tensor
 from .errors import user_line
-from .grouping import normalize_dims, to_mesh_plan
-from .issue import New, issue
-from .placement import check_inputs, check_mutation, check_no_grad
-from .propagation import TensorMeta
-from .stream import get_active_stream
-from .tensor import Tensor
+from .geometry.grouping import normalize_dims, to_mesh_plan
+from .protocol import messages as m
 
 __all__ = ["reduce", "reduce_", "to_mesh", "slice_mesh", "MeshSliceTensor", "REDUCTIONS"]
 

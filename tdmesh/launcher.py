@@ -26,17 +26,17 @@ from enum import Enum
 import torch
 from torch.distributed import TCPStore
 
-from . import pool as warm_pool
-from .client import Client
 from .config import cpu_forced
+from .engine.client import Client
+from .engine.propagation import warm_up
 from .errors import UsageError
-from .fleet import Fleet, SerialProcesses, accept_workers, controller_host
+from .fleet import pool as warm_pool
+from .fleet.job import Fleet, SerialProcesses, accept_workers, controller_host
+from .geometry.shape import Shape
+from .geometry.slice import Slice
 from .mesh import DeviceMesh
-from .propagation import warm_up
-from .rendezvous import ATTACH, connect_store, new_token, proof, restart_count, session_token
-from .security import derive, secret_token, warn_if_exposed
-from .shape import Shape
-from .slice import Slice
+from .protocol.rendezvous import ATTACH, connect_store, new_token, proof, restart_count, session_token
+from .protocol.security import derive, secret_token, warn_if_exposed
 
 __all__ = ["local_mesh", "local_meshes", "world_mesh", "restart_count", "attach", "connect_world", "LoggingLocation"]
 
@@ -188,7 +188,7 @@ def local_mesh(hosts: int = 1, gpus_per_host: int | None = None, *, backend: str
     """A mesh of ``hosts x gpus_per_host`` worker processes on this machine.
 
     ``gpus_per_host=None`` means the visible CUDA devices, or 2 CPU workers without CUDA.
-    ``pool``: take warm workers a finished mesh of the same shape left (:mod:`tdmesh.pool`),
+    ``pool``: take warm workers a finished mesh of the same shape left (:mod:`tdmesh.fleet.pool`),
     and leave this one's warm when it exits cleanly; ``False`` starts and stops fresh ones.
     ``logging``: ``LoggingLocation.DEFAULT`` leaves the workers' output on this terminal;
     ``LoggingLocation.FILE`` writes each worker's stdout and stderr to files under ``log_dir``

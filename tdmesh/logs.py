@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ._context import get_active_mesh
+from .engine.context import get_active_mesh
 from .remote import remote
 
 __all__ = ["set_log_level"]

@@ -1,7 +1,7 @@
 """``DeviceMesh``: named dims over a set of worker ranks, and the handle that sends work there.
 
 The geometry (``slice``, ``split``, ``rename``, ``flatten``, sizes, the rank table) is a pure
-value over :class:`~tdmesh.shape.Shape` and sends nothing.  A mesh made by a launcher also
+value over :class:`~tdmesh.geometry.shape.Shape` and sends nothing.  A mesh made by a launcher also
 holds the ``client`` that talks to its fleet, and the ``fleet`` itself (to shut it down);
 sub-meshes share both.  Process groups and torch DeviceMesh handles for remote functions
 live here too.
@@ -14,15 +14,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import messages as m
-from .activation import Activation, deactivate
+from .engine.activation import Activation, deactivate
 from .errors import UsageError, user_line
-from .fanout import RankList
-from .grouping import normalize_dims
+from .geometry.fanout import RankList
+from .geometry.grouping import normalize_dims
+from .geometry.shape import Shape
+from .geometry.slice import Slice
 from .objects import spawn
+from .protocol import messages as m
 from .remote import Remote
-from .shape import Shape
-from .slice import Slice
 
 __all__ = ["DeviceMesh", "RemoteProcessGroup", "TorchMeshHandle"]
 

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 from torch.utils._pytree import tree_flatten
 
-from . import messages as m
+from .engine.fetch import prepare_call, send_value, shard_rank
+from .engine.future import Future
+from .engine.issue import issue
+from .engine.stream import get_active_stream
+from .engine.tensor import AliasSet, RefOwner, Tensor
+from .engine.wire import sealed_args
 from .errors import UsageError, user_line
-from .fetch import prepare_call, send_value, shard_rank
-from .future import Future
-from .issue import issue
+from .protocol import messages as m
 from .remote import Remote, call_remote, function_path
-from .stream import get_active_stream
-from .tensor import AliasSet, RefOwner, Tensor
-from .wire import sealed_args
 
 __all__ = ["ObjectHandle", "ObjectMethod", "spawn"]
 

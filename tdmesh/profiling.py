@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from ._context import get_active_mesh
-from .fetch import fetch_shard
+from .engine.context import get_active_mesh
+from .engine.fetch import fetch_shard
 from .remote import remote
 
 __all__ = ["profile"]

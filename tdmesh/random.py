@@ -29,11 +29,11 @@ from typing import NamedTuple
 
 import torch
 
-from ._context import get_active_mesh
+from .engine.context import get_active_mesh
+from .engine.tensor import Tensor
+from .engine.wire import to_wire
 from .errors import user_line
 from .remote import remote
-from .tensor import Tensor
-from .wire import to_wire
 
 __all__ = [
     "State", "get_state", "set_state", "new_state", "make_deterministic", "set_manual_seed_remote",

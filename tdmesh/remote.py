@@ -16,18 +16,18 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten, treespec_loads
 
-from . import messages as m
-from ._coalescing import check_not_coalescing
-from .codec import with_source
+from .engine.coalescing import check_not_coalescing
+from .engine.fetch import mesh_of, prepare_call, send_value, shard_rank
+from .engine.future import Future
+from .engine.issue import New, issue
+from .engine.placement import check_mutation
+from .engine.propagation import TensorMeta, meta_tensor, tensor_meta
+from .engine.stream import get_active_stream
+from .engine.tensor import Tensor
+from .engine.wire import op_path, sealed_args
 from .errors import user_line
-from .fetch import mesh_of, prepare_call, send_value, shard_rank
-from .future import Future
-from .issue import New, issue
-from .placement import check_mutation
-from .propagation import TensorMeta, meta_tensor, tensor_meta
-from .stream import get_active_stream
-from .tensor import Tensor
-from .wire import op_path, sealed_args
+from .protocol import messages as m
+from .protocol.codec import with_source
 
 __all__ = ["remote", "Remote", "function_path", "call_on_shard_and_fetch"]
 

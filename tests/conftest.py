@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
         tier = os.path.basename(os.path.dirname(str(item.path)))
         if tier in ("unit", "fleet", "gpu"):
             item.add_marker(getattr(pytest.mark, tier))
-        elif tier == "tdmesh":  # the doctests of tdmesh/slice.py and tdmesh/shape.py
+        elif tier == "tdmesh":  # the doctests of tdmesh/geometry/slice.py and tdmesh/geometry/shape.py
             item.add_marker(pytest.mark.unit)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)

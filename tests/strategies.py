@@ -19,9 +19,9 @@ import itertools
 from hypothesis import settings
 from hypothesis import strategies as st
 
+from tdmesh.geometry.shape import Shape
+from tdmesh.geometry.slice import Slice
 from tdmesh.mesh import DeviceMesh
-from tdmesh.shape import Shape
-from tdmesh.slice import Slice
 
 __all__ = [
     "PROPS", "NAME_POOL", "slices", "dense_slices", "dim_names", "shapes", "dense_shapes",

@@ -7,7 +7,7 @@ splitting, renaming and flattening only rewrite that arithmetic; rank order neve
 """
 
 import tdmesh
-from tdmesh.grouping import all_groups, to_mesh_pairs
+from tdmesh.geometry.grouping import all_groups, to_mesh_pairs
 
 mesh = tdmesh.DeviceMesh.from_sizes(host=2, gpu=8)      # a pure value: no workers behind it
 print(mesh)

@@ -16,8 +16,8 @@ import logging
 import os
 import socket
 
-from ..rendezvous import ATTACH, attach_scope, new_token, proof, session_token
-from ..security import derive, secret_token, warn_if_exposed
+from ..protocol.rendezvous import ATTACH, attach_scope, new_token, proof, session_token
+from ..protocol.security import derive, secret_token, warn_if_exposed
 
 log = logging.getLogger("tdmesh.worker")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import messages as m
 from ..errors import ProtocolViolation
+from ..protocol import messages as m
 from .streams import Stream
 from .values import BorrowSlot, Poison, event_on
 

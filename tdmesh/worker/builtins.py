@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from ..codec import describe_tensor
+from ..protocol.codec import describe_tensor
 
 _levels_before: dict[str, int] = {}  # logger name -> its level before this session's set_log_level
 
@@ -15,7 +15,7 @@ def shipped(data, device) -> torch.Tensor:
     """A local tensor of the client's (``dispatch.ship_local``) on this worker's device: it
     arrives packed (``codec.pack_tensor``: pickled twice as fast as a tensor, unpickled into
     memory the tensor then owns), or as itself where bytes cannot carry it (sparse, quantized)."""
-    from ..codec import unpack_tensor
+    from ..protocol.codec import unpack_tensor
     return (data if isinstance(data, torch.Tensor) else unpack_tensor(data)).to(device)
 
 

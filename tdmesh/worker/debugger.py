@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .. import messages as m
+from ..protocol import messages as m
 
 
 class Console:

@@ -11,8 +11,8 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from ..codec import load_callable
 from ..errors import ResolveError
+from ..protocol.codec import load_callable
 
 _cache: dict[Any, Callable] = {}
 

@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from .. import messages as m
+from ..protocol import messages as m
 from .programs import Program
 from .streams import Stream
 

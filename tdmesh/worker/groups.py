@@ -30,8 +30,8 @@ import logging
 
 import torch.distributed as dist
 
-from .. import messages as m
-from ..grouping import all_groups
+from ..geometry.grouping import all_groups
+from ..protocol import messages as m
 
 log = logging.getLogger("tdmesh.worker")
 

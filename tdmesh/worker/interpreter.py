@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .. import messages as m
-from ..codec import pickle_value
 from ..errors import ProtocolViolation, RecordingError
+from ..protocol import messages as m
+from ..protocol.codec import pickle_value
 from . import collectives
 from .borrows import Borrows
 from .debugger import Console

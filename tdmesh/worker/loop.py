@@ -15,15 +15,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import messages as m
 from ..config import cpu_forced, env_float, env_int, env_str
 from ..errors import ProtocolViolation
-from ..fanout import relay_parents, subtree_hosts
-from ..handshake import join
-from ..relay import Relay
-from ..rendezvous import NEXT_JOB, SHUTDOWN, connect_store, job_scope, reachable_host, read_controller, store_address
-from ..schema import check_client_message, record_name
-from ..transport import ProtocolError, RankFilter, connect
+from ..geometry.fanout import relay_parents, subtree_hosts
+from ..protocol import messages as m
+from ..protocol.handshake import join
+from ..protocol.relay import Relay
+from ..protocol.rendezvous import (
+    NEXT_JOB,
+    SHUTDOWN,
+    connect_store,
+    job_scope,
+    reachable_host,
+    read_controller,
+    store_address,
+)
+from ..protocol.schema import check_client_message, record_name
+from ..protocol.transport import ProtocolError, RankFilter, connect
 from . import builtins
 from .interpreter import Interpreter
 from .values import DeviceBroken
@@ -101,7 +109,7 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
 
 
 def _park(store, device: torch.device, seed: int) -> str | None:
-    """Between two local meshes (tdmesh.pool): forget the last job's caches, put torch's
+    """Between two local meshes (tdmesh.fleet.pool): forget the last job's caches, put torch's
     global state back as a fresh process has it, and wait for the next job's scope."""
     import gc
 

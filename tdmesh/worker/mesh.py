@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..grouping import dims_rank, group_members
-from ..shape import Shape
+from ..geometry.grouping import dims_rank, group_members
+from ..geometry.shape import Shape
 
 
 class WorkerMesh:

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .. import messages as m
 from ..errors import ProtocolViolation
+from ..protocol import messages as m
 from .functions import resolve
 from .values import DependentOnError, Poison
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .. import messages as m
 from ..errors import ProtocolViolation
+from ..protocol import messages as m
 from . import collectives
 from .compile_once import compile_once_per_host, yielding_host_lock
 from .functions import resolve

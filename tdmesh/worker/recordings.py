@@ -14,8 +14,8 @@ import logging
 import pickle
 from typing import Any
 
-from .. import messages as m
 from ..errors import RecordingError
+from ..protocol import messages as m
 from .graphs import GraphedProgram
 from .programs import Program, Unsupported
 

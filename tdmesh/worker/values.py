@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .. import messages as m
-from ..codec import pack_tensor
 from ..errors import TdmeshError
+from ..protocol import messages as m
+from ..protocol.codec import pack_tensor
 from .streams import Stream
 
 __all__ = ["Poison", "DependentOnError", "BorrowSlot", "DeviceBroken", "device_is_broken", "event_on", "unseal",

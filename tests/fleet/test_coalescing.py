@@ -28,9 +28,9 @@ def test_ops_stay_buffered_until_the_block_exits(mesh1):
                 x = x + 1
             time.sleep(0.05)  # many flush intervals: still nothing may go out
             assert client.pending_messages() >= 10
-            assert client in tdmesh._coalescing.clients()
+            assert client in tdmesh.engine.coalescing.clients()
         assert client.pending_messages() == 0
-        assert not tdmesh._coalescing.clients() and tdmesh._coalescing.depth() == 0
+        assert not tdmesh.engine.coalescing.clients() and tdmesh.engine.coalescing.depth() == 0
         got = inspect(x)
     assert torch.equal(got, torch.full((3,), 10.0))
 
@@ -59,8 +59,8 @@ def test_nested_blocks_flush_once_when_the_outer_block_exits(mesh1):
             with tdmesh.coalescing():
                 for _ in range(5):
                     x = x * 2
-                assert tdmesh._coalescing.depth() == 2
-            assert tdmesh._coalescing.depth() == 1
+                assert tdmesh.engine.coalescing.depth() == 2
+            assert tdmesh.engine.coalescing.depth() == 1
             time.sleep(0.02)
             inner_exit = client.pending_messages()
             assert inner_exit >= 6  # the inner exit sent nothing

@@ -6,7 +6,7 @@ import torch
 
 import tdmesh
 from tdmesh import fetch_shard, inspect, remote
-from tdmesh.messages import MAX_COMMANDS_PER_CHUNK
+from tdmesh.protocol.messages import MAX_COMMANDS_PER_CHUNK
 
 live_refs = remote("tdmesh.worker.builtins.live_refs")
 
@@ -309,7 +309,7 @@ def test_borrow_made_outside_and_used_inside(mesh1):
 def test_a_fetch_inside_runs_the_call_eagerly_from_there(mesh1):
     """A host read inside: the call runs eagerly from the read on (the read sees the workers'
     value); after EAGER_AFTER such calls the function runs eagerly for good, warning once."""
-    from tdmesh.recording import EAGER_AFTER
+    from tdmesh.programs.recording import EAGER_AFTER
 
     @tdmesh.compile
     def fn(x):

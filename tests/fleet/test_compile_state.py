@@ -10,7 +10,7 @@ import torch
 
 import tdmesh
 from tdmesh import inspect
-from tdmesh.recording import EAGER_AFTER
+from tdmesh.programs.recording import EAGER_AFTER
 
 
 def _linear_step(mesh, set_to_none=True, scheduler=False, lr=0.1, **opt_kw):

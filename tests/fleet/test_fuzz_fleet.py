@@ -19,8 +19,8 @@ from test_supervision import FAST, assert_no_worker_left, worker_pids
 
 import tdmesh
 from tdmesh import DeviceException, fetch_shard, inspect, remote
-from tdmesh import messages as m
-from tdmesh.transport import ENTRY, entries
+from tdmesh.protocol import messages as m
+from tdmesh.protocol.transport import ENTRY, entries
 
 HOST = socket.gethostname()
 
@@ -126,7 +126,7 @@ def send_malformed_status():
 
 def _rank_1_connection():
     """On a worker: (its connection to the client, the lock its sends take) on rank 1, else None."""
-    from tdmesh.transport import Connection
+    from tdmesh.protocol.transport import Connection
     from tdmesh.worker.interpreter import Interpreter
     interp = Interpreter.current
     assert interp is not None
@@ -150,7 +150,7 @@ def send_half_a_frame():
     """On rank 1: half a frame header, then silence (its heartbeats wait behind the send lock)."""
     import time
 
-    from tdmesh.transport import MAGIC
+    from tdmesh.protocol.transport import MAGIC
     found = _rank_1_connection()
     if found is not None:
         conn, lock = found

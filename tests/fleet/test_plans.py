@@ -1,4 +1,4 @@
-"""Op plans (tdmesh/plan.py): an aten op seen once with some argument metadata is defined on
+"""Op plans (tdmesh/engine/plan.py): an aten op seen once with some argument metadata is defined on
 the workers once and issued as a CallOp after; these tests check that the reuse keeps
 every semantic of the first dispatch (slots, aliasing, writes, failures)."""
 
@@ -7,8 +7,8 @@ import torch
 
 import tdmesh
 from tdmesh import inspect
-from tdmesh import messages as m
-from tdmesh.plan import PLANS
+from tdmesh.engine.plan import PLANS
+from tdmesh.protocol import messages as m
 
 
 class Sent:
@@ -96,7 +96,7 @@ def test_a_change_of_metadata_makes_a_new_plan(mesh1):
 
 
 def test_with_the_plan_cache_full_ops_are_sent_whole(mesh1, monkeypatch):
-    monkeypatch.setattr("tdmesh.dispatch.MAX_PLANS", 0)
+    monkeypatch.setattr("tdmesh.engine.dispatch.MAX_PLANS", 0)
     with mesh1.activate():
         x = torch.ones(6)
         with Sent(mesh1.client) as sent:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import tdmesh
-from tdmesh import inspect, pool, remote
+from tdmesh import inspect, remote
+from tdmesh.fleet import pool
 
 
 @pytest.fixture(autouse=True)
@@ -160,7 +161,7 @@ CLIENT = """
 import sys, time, torch, tdmesh
 with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh:
     print(" ".join(str(h.pid) for h in mesh.client.hellos.values()), flush=True)
-print("parked", tdmesh.pool.parked_count(), flush=True)
+print("parked", tdmesh.fleet.pool.parked_count(), flush=True)
 """ + "{tail}"
 
 

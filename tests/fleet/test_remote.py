@@ -11,7 +11,7 @@ import torch
 
 import tdmesh
 from tdmesh import fetch_shard, inspect, remote
-from tdmesh.future import ValueMesh
+from tdmesh.engine.future import ValueMesh
 from tdmesh.remote import Remote
 
 

@@ -17,10 +17,10 @@ import torch
 from torch.distributed import TCPStore
 
 import tdmesh
-from tdmesh import messages as m
 from tdmesh.certs import make_certificates
-from tdmesh.handshake import challenge
-from tdmesh.transport import Connection, decode_hello
+from tdmesh.protocol import messages as m
+from tdmesh.protocol.handshake import challenge
+from tdmesh.protocol.transport import Connection, decode_hello
 
 from paths import REPO
 

@@ -20,10 +20,10 @@ import torch
 
 import tdmesh
 from tdmesh import DeviceException, fetch_shard, inspect, remote
-from tdmesh import messages as m
 from tdmesh.config import ControllerParams, SupervisionParams
-from tdmesh.handshake import AuthenticationError, join
-from tdmesh.transport import FRAME_HEADER, MAGIC, Connection, checksum, encode
+from tdmesh.protocol import messages as m
+from tdmesh.protocol.handshake import AuthenticationError, join
+from tdmesh.protocol.transport import FRAME_HEADER, MAGIC, Connection, checksum, encode
 
 from paths import SCRIPTS
 
@@ -496,7 +496,7 @@ def test_worker_processes_can_be_polled_from_several_threads_at_once(tmp_path):
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-    from tdmesh.fleet import SerialProcesses
+    from tdmesh.fleet.job import SerialProcesses
     n = 6
     processes = SerialProcesses(start_processes(
         name="poll-race", entrypoint=sys.executable,

@@ -30,16 +30,6 @@ def test_quickstart_output():
     assert "unrelated values stay fetchable: 15.0" in out.stdout
 
 
-def test_readme_tour_runs():
-    import re
-    text = open(os.path.join(ROOT, "README.md")).read()
-    tour = re.findall(r"```python\n(.*?)```", text, re.S)[0]
-    out = subprocess.run([sys.executable, "-c", tour], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env=dict(os.environ, TDMESH_DEVICE="cpu"))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "('/a', 'b')" in out.stdout and "not positive-definite" in out.stdout
-
-
 def test_pipeline_tutorial_matches_one_mesh():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tutorials", "06_pipeline.py"), "--steps", "3"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT,

@@ -15,8 +15,8 @@ from _training import data_parallel_step
 
 import tdmesh
 from tdmesh import fetch_shard, remote
-from tdmesh import messages as m
 from tdmesh.errors import UsageError
+from tdmesh.protocol import messages as m
 from tdmesh.worker.interpreter import Interpreter
 from tdmesh.worker.values import Poison
 

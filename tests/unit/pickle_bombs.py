@@ -24,7 +24,7 @@ def _pickles_bomb(payload: bytes) -> bool:
     stream, end = io.BytesIO(payload), len(payload)
     while stream.tell() < end:
         start = stream.tell()
-        if payload[start] == 0:  # a block (tdmesh.bulk): 0 | count | sizes, then the message's pickle
+        if payload[start] == 0:  # a block (tdmesh.protocol.bulk): 0 | count | sizes, then the message's pickle
             if start + 5 > end:
                 return False
             count = struct.unpack_from("!I", payload, start + 1)[0]
@@ -43,7 +43,7 @@ def _pickles_bomb(payload: bytes) -> bool:
 
 def upstream_bomb(payload: bytes) -> bool:
     """An upstream payload (a run of pickles; a bulk frame's messages) that would trip the C unpickler."""
-    from tdmesh.bulk import BulkFrame
+    from tdmesh.protocol.bulk import BulkFrame
     if type(payload) is BulkFrame:
         n = struct.unpack_from("!Q", payload)[0] if len(payload) >= 8 else 0
         return _pickles_bomb(bytes(payload[8:8 + n]))
@@ -52,7 +52,7 @@ def upstream_bomb(payload: bytes) -> bool:
 
 def downstream_bomb(payload: bytes) -> bool:
     """A downstream payload (entries of ``u32 rank set | u32 length | pickle``) that would."""
-    from tdmesh.transport import ENTRY
+    from tdmesh.protocol.transport import ENTRY
     pos = 0
     while pos + ENTRY.size <= len(payload):
         _, n = ENTRY.unpack_from(payload, pos)

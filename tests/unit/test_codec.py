@@ -4,7 +4,7 @@ import types
 
 import cloudpickle
 
-from tdmesh.codec import load_callable, with_source
+from tdmesh.protocol.codec import load_callable, with_source
 
 
 def _as_cloudpickle_3_1_ships_it(fn):

@@ -81,7 +81,7 @@ class CudaMeshGeometry:
 
 
 def test_no_mesh_inside_a_cuda_mesh_restores_the_clients_default_device():
-    from tdmesh.activation import Activation, default_device
+    from tdmesh.engine.activation import Activation, default_device
     outer = Activation(CudaMeshGeometry())
     try:
         assert default_device().type == "cuda"  # factories under the mesh describe CUDA tensors
@@ -96,7 +96,7 @@ def test_no_mesh_inside_a_cuda_mesh_restores_the_clients_default_device():
 
 
 def test_no_mesh_keeps_a_default_device_the_user_set():
-    from tdmesh.activation import Activation
+    from tdmesh.engine.activation import Activation
     torch.set_default_device("meta")
     try:
         outer = Activation(CudaMeshGeometry())

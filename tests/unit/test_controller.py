@@ -10,11 +10,11 @@ import traceback
 import pytest
 import torch
 
-from tdmesh import codec
-from tdmesh import messages as m
+from tdmesh.engine.future import Future
+from tdmesh.engine.history import History
 from tdmesh.errors import RemoteException, frames
-from tdmesh.future import Future
-from tdmesh.history import History
+from tdmesh.protocol import codec
+from tdmesh.protocol import messages as m
 
 
 class NoPump:

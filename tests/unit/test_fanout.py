@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tdmesh import messages as m
-from tdmesh.fanout import RankList, rank_set, relay_children, relay_parents, subtree_hosts
-from tdmesh.handshake import AuthenticationError, challenge, check_hello, join, welcome
-from tdmesh.outbox import Outbox
-from tdmesh.relay import Relay
-from tdmesh.slice import Slice
-from tdmesh.transport import Connection, RankFilter, connect, decode_hello
+from tdmesh.engine.outbox import Outbox
+from tdmesh.geometry.fanout import RankList, rank_set, relay_children, relay_parents, subtree_hosts
+from tdmesh.geometry.slice import Slice
+from tdmesh.protocol import messages as m
+from tdmesh.protocol.handshake import AuthenticationError, challenge, check_hello, join, welcome
+from tdmesh.protocol.relay import Relay
+from tdmesh.protocol.transport import Connection, RankFilter, connect, decode_hello
 
 TOKEN = "t" * 32
 

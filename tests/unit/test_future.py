@@ -1,5 +1,5 @@
 """Future, as a unit: a fake client whose ``pump`` applies scheduled events on a virtual clock
-(MONARCH_NOTES §5.B items 16-17).  No processes, no sleeping: ``tdmesh.future.time`` is
+(MONARCH_NOTES §5.B items 16-17).  No processes, no sleeping: ``tdmesh.engine.future.time`` is
 replaced by the fake client's clock, so a 0.5 s timeout costs nothing."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-import tdmesh.future as future_mod
+import tdmesh.engine.future as future_mod
+from tdmesh.engine.future import Future, as_completed
 from tdmesh.errors import RemoteException
-from tdmesh.future import Future, as_completed
 
 T0 = 1000.0
 

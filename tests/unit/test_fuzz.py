@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 from pickle_bombs import downstream_bomb, upstream_bomb
 from test_messages import SAMPLES
 
-from tdmesh import messages as m
-from tdmesh import schema
-from tdmesh.bulk import BulkFrame, covered, frame_parts
 from tdmesh.errors import ProtocolError, ProtocolViolation
-from tdmesh.slice import Slice
-from tdmesh.transport import DEFINE_SET, ENTRY, FRAME_HEADER, Connection, RankFilter, decode, encode, entries
+from tdmesh.geometry.slice import Slice
+from tdmesh.protocol import messages as m
+from tdmesh.protocol import schema
+from tdmesh.protocol.bulk import BulkFrame, covered, frame_parts
+from tdmesh.protocol.transport import DEFINE_SET, ENTRY, FRAME_HEADER, Connection, RankFilter, decode, encode, entries
 
 FUZZ = settings(max_examples=150, deadline=2000, database=None)
 WIRE_RECORDS = m.CLIENT_TO_WORKER + m.WORKER_TO_CLIENT + m.RELAY_CONTROL
@@ -353,7 +353,7 @@ def test_a_frame_damaged_on_its_way_is_refused_before_it_is_unpickled(data):
 
 
 def test_damage_to_a_bulk_frames_bulk_changes_the_values_it_carries_and_nothing_else():
-    """The bulk (tensors' bytes) is outside the checksum, by design (tdmesh/bulk.py): a changed
+    """The bulk (tensors' bytes) is outside the checksum, by design (tdmesh/protocol/bulk.py): a changed
     byte there arrives as a changed value, as on any TCP transfer; the messages are intact."""
     a, b = socket.socketpair()
     try:
@@ -373,9 +373,15 @@ def test_damage_to_a_bulk_frames_bulk_changes_the_values_it_carries_and_nothing_
 def test_the_cpython_memo_bomb_found_by_ci_is_refused_by_the_checksum():
     """The case that took CI's unpickler 10.8 s (31.9 s here) and starved the test process's
     other threads: two bytes of the worker->client sample frame changed, one of them a string's
-    length, so the unpickler reads ``LONG_BINPUT 980578162`` out of the string."""
-    corrupt = bytearray(UPSTREAM)
-    corrupt[1], corrupt[517] = 0, 6
+    length, so the unpickler reads ``LONG_BINPUT 980578162`` out of the string.  CI found it at
+    byte 517; the frame's bytes move with the messages' module path, so the test takes the
+    first byte that, set to 6 with byte 1 set to 0, makes the same kind of bomb."""
+    def damaged(at: int) -> bytearray:
+        corrupt = bytearray(UPSTREAM)
+        corrupt[1], corrupt[at] = 0, 6
+        return corrupt
+    at = next(i for i in range(2, len(UPSTREAM)) if upstream_bomb(bytes(damaged(i))))
+    corrupt = damaged(at)
     assert upstream_bomb(bytes(corrupt)) and not upstream_bomb(UPSTREAM)
     a, b = socket.socketpair()
     try:

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from tdmesh import messages as m
 from tdmesh.errors import DeviceException
-from tdmesh.fleet import Gatekeeper, accept_workers
-from tdmesh.handshake import join
-from tdmesh.transport import MAGIC, Connection
+from tdmesh.fleet.job import Gatekeeper, accept_workers
+from tdmesh.protocol import messages as m
+from tdmesh.protocol.handshake import join
+from tdmesh.protocol.transport import MAGIC, Connection
 
 
 def frame(payload: bytes) -> bytes:

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tdmesh import Shape, Slice, UnknownDimError
-from tdmesh.grouping import all_groups, dims_rank, group_members, normalize_dims, to_mesh_pairs, to_mesh_plan
-from tdmesh.slice import ravel
+from tdmesh.geometry.grouping import all_groups, dims_rank, group_members, normalize_dims, to_mesh_pairs, to_mesh_plan
+from tdmesh.geometry.slice import ravel
 
 try:
     from .strategies import PROPS, shapes, slices

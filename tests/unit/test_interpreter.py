@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._pytree import tree_leaves
 
-from tdmesh import messages as m
+from tdmesh.engine.future import load_value
 from tdmesh.errors import ProtocolViolation
-from tdmesh.future import load_value
-from tdmesh.shape import Shape
-from tdmesh.slice import Slice
+from tdmesh.geometry.shape import Shape
+from tdmesh.geometry.slice import Slice
+from tdmesh.protocol import messages as m
 from tdmesh.worker.interpreter import Interpreter
 from tdmesh.worker.mesh import WorkerMesh
 from tdmesh.worker.values import Poison

@@ -10,12 +10,12 @@ import os
 from paths import REPO
 
 ROOT = os.path.join(REPO, "tdmesh")
-# What a worker may import from tdmesh besides its own package: protocol (and its schema), value codecs,
-# transport, its handshake and secrets (and the host relay it runs), configuration, rendezvous, geometry and
-# the error types.
-WORKER_MAY_IMPORT = {"tdmesh.messages", "tdmesh.schema", "tdmesh.codec", "tdmesh.transport", "tdmesh.security",
-                     "tdmesh.handshake", "tdmesh.relay", "tdmesh.fanout", "tdmesh.config", "tdmesh.rendezvous",
-                     "tdmesh.grouping", "tdmesh.slice", "tdmesh.shape", "tdmesh.errors", "tdmesh.bulk"}
+# The layers, bottom first: a module may import its own layer and the layers below, never one
+# above (function-local imports included).  The public modules are the top-level ones.
+LAYERS = ["base", "geometry", "protocol", "engine", "programs", "fleet", "api"]
+BASE = {"tdmesh.errors", "tdmesh.config"}  # everyone's: the error types and the one table of settings
+# The workers stand beside the engine, on what crosses the wire: nothing of the client's side.
+WORKER_MAY_IMPORT = {"base", "geometry", "protocol", "worker"}
 MAX_LINES = 400
 
 
@@ -60,6 +60,39 @@ def _imports(module: str, path: str) -> list[tuple[str, list[str]]]:
 GRAPH = {mod: _imports(mod, path) for mod, path in MODULES.items()}
 
 
+def layer(module: str) -> str:
+    """The layer of a tdmesh module: its subpackage, the base, or the public top level."""
+    if module in BASE:
+        return "base"
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] in LAYERS + ["worker"]:
+        return parts[1]
+    return "api"
+
+
+def test_every_import_runs_down_the_layers():
+    bad = []
+    for m, deps in GRAPH.items():
+        mine = layer(m)
+        for t, _ in deps:
+            theirs = layer(t)
+            if mine == "worker" or theirs == "worker":  # the client's side never imports a worker module
+                allowed = mine == "worker" and theirs in WORKER_MAY_IMPORT
+            else:
+                allowed = LAYERS.index(theirs) <= LAYERS.index(mine)
+            if not allowed:
+                bad.append(f"{m} ({mine}) imports {t} ({theirs})")
+    assert not bad, "\n".join(bad)
+
+
+def test_each_layer_is_a_package_and_every_module_has_one():
+    """The table above is the layout: each layer but the base and the top is a subpackage."""
+    for name in LAYERS[1:-1]:
+        assert os.path.isfile(os.path.join(ROOT, name, "__init__.py")), name
+    stray = [m for m in MODULES if m.count(".") > 1 and m.split(".")[1] not in LAYERS + ["worker"]]
+    assert not stray, stray
+
+
 def test_client_modules_form_a_dag():
     edges = {m: {t for t, _ in deps if t in MODULES and t != "tdmesh" and t != m}
              for m, deps in GRAPH.items() if m != "tdmesh"}
@@ -83,9 +116,9 @@ def test_client_modules_form_a_dag():
             visit(m)
 
 
-def test_workers_import_only_the_shared_modules():
+def test_workers_import_only_the_shared_layers():
     bad = [f"{m} imports {t}" for m, deps in GRAPH.items() if m.startswith("tdmesh.worker")
-           for t, _ in deps if not t.startswith("tdmesh.worker") and t not in WORKER_MAY_IMPORT]
+           for t, _ in deps if layer(t) not in WORKER_MAY_IMPORT]
     assert not bad, "\n".join(bad)
 
 
@@ -98,6 +131,14 @@ def test_no_private_name_is_imported_across_modules():
 def test_modules_stay_within_the_line_budget():
     long = {m: n for m, p in MODULES.items() if (n := sum(1 for _ in open(p))) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_the_layer_check_sees_an_upward_import():
+    """The layer test is only as good as ``layer``: an engine module importing the public
+    ``mesh`` or a worker importing the engine is named as going up."""
+    assert LAYERS.index(layer("tdmesh.mesh")) > LAYERS.index(layer("tdmesh.engine.client"))
+    assert layer("tdmesh.engine.client") not in WORKER_MAY_IMPORT
+    assert layer("tdmesh.protocol.relay") in WORKER_MAY_IMPORT and layer("tdmesh.config") == "base"
 
 
 def test_the_import_walk_sees_function_local_imports():

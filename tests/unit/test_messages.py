@@ -1,4 +1,4 @@
-"""The wire records of tdmesh.messages: field sets, defaults, and pickle round trips."""
+"""The wire records of tdmesh.protocol.messages: field sets, defaults, and pickle round trips."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pickle
 import pytest
 import torch
 
-from tdmesh import Shape, Slice, codec
-from tdmesh import messages as m
+from tdmesh import Shape, Slice
+from tdmesh.protocol import codec
+from tdmesh.protocol import messages as m
 
 # One representative instance per record, with every field set to a distinct, non-default
 # value (nested records included) so that a round trip that drops or reorders a field fails.
@@ -273,7 +274,7 @@ def test_ref_fields_name_real_fields_of_client_messages():
 @pytest.mark.parametrize("value", [torch.preserve_format, torch.channels_last, torch.strided, torch.sparse_csr,
                                    torch.device("cpu"), torch.device("cuda", 1)], ids=str)
 def test_torch_values_travel_by_name_and_arrive_as_themselves(value):
-    from tdmesh.wire import to_wire
+    from tdmesh.engine.wire import to_wire
     sent = to_wire({"v": value})["v"]
     assert type(sent) in (m.TorchGlobal, m.DeviceName)
     arrived = pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))

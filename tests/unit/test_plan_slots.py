@@ -1,4 +1,4 @@
-"""Slot arithmetic of op plans (tdmesh/plan.py): which remote tensors each schema argument
+"""Slot arithmetic of op plans (tdmesh/engine/plan.py): which remote tensors each schema argument
 holds, in the order dispatch scans them.  A wrong span would put a tensor in another's slot
 on every reuse of a plan, so it is checked against the scan itself on random argument trees."""
 
@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tdmesh.dispatch import _scan
-from tdmesh.plan import slot_spans
-from tdmesh.propagation import TensorMeta
-from tdmesh.stream import DEFAULT_STREAM
-from tdmesh.tensor import AliasSet, Tensor
+from tdmesh.engine.dispatch import _scan
+from tdmesh.engine.plan import slot_spans
+from tdmesh.engine.propagation import TensorMeta
+from tdmesh.engine.stream import DEFAULT_STREAM
+from tdmesh.engine.tensor import AliasSet, Tensor
 
 _META = TensorMeta((2,), (1,), 0, torch.float32)
 _refs = iter(range(10**9))

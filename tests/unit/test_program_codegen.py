@@ -9,7 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tdmesh import messages as m
+from tdmesh.protocol import messages as m
 from tdmesh.worker.interpreter import Interpreter
 from tdmesh.worker.values import Poison
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tdmesh import codec
-from tdmesh.propagation import SparseMeta, TensorMeta, meta_tensor, propagate, sparse_meta, tensor_meta
+from tdmesh.engine.propagation import SparseMeta, TensorMeta, meta_tensor, propagate, sparse_meta, tensor_meta
+from tdmesh.protocol import codec
 
 _DENSE = torch.tensor([[0.0, 1.0, 0.0, 2.0], [3.0, 0.0, 0.0, 4.0]])
 SPARSE = {

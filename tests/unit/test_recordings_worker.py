@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tdmesh import messages as m
 from tdmesh.errors import ProtocolViolation
+from tdmesh.protocol import messages as m
 from tdmesh.worker.interpreter import Interpreter
 from tdmesh.worker.values import Poison
 

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tdmesh import messages as m
 from tdmesh.certs import make_certificates
 from tdmesh.errors import UsageError
-from tdmesh.handshake import AuthenticationError, challenge, check_hello, identity, join, welcome
-from tdmesh.security import derive, job_token, load_secret, secret_token, server_tls, warn_if_exposed
-from tdmesh.transport import Connection, connect, decode_hello, encode
+from tdmesh.protocol import messages as m
+from tdmesh.protocol.handshake import AuthenticationError, challenge, check_hello, identity, join, welcome
+from tdmesh.protocol.security import derive, job_token, load_secret, secret_token, server_tls, warn_if_exposed
+from tdmesh.protocol.transport import Connection, connect, decode_hello, encode
 
 TOKEN = "k" * 64
 HELLO = m.Hello(3, b"", "", "host", 1234, "cpu", None)
@@ -59,7 +59,7 @@ def test_a_secret_file_must_be_private(no_secret, monkeypatch, tmp_path):
 
 
 def test_a_multi_node_job_without_a_secret_warns_once(no_secret, monkeypatch, caplog):
-    import tdmesh.security as security
+    import tdmesh.protocol.security as security
     caplog.set_level(logging.WARNING, logger="tdmesh")
     monkeypatch.setattr(security, "_warned", False)
     warn_if_exposed(8, 8)  # one node: nothing to say
@@ -187,7 +187,7 @@ def pickle_loads(payload: bytes):
 @given(st.binary(min_size=16, max_size=16), st.binary(min_size=16, max_size=16), st.integers(0, 1 << 20),
        st.integers(0, 1 << 20))
 def test_a_proof_holds_only_for_its_challenge_and_identity(asked, other, rank, pid):
-    from tdmesh.handshake import _hello_proof
+    from tdmesh.protocol.handshake import _hello_proof
     hello = m.Hello(rank, b"n" * 16, "", "h", pid, "cpu", None)
     hello = hello._replace(proof=_hello_proof(TOKEN, asked, hello.nonce, identity(hello)))
     assert check_hello(TOKEN, asked, hello)
@@ -255,8 +255,8 @@ def test_frames_that_tls_has_already_read_in_are_not_left_behind(no_secret, monk
     where no selector sees it; the readers take it in the same call."""
     import selectors
 
-    from tdmesh.schema import received_messages
-    from tdmesh.transport import FRAME_HEADER, MAGIC, checksum
+    from tdmesh.protocol.schema import received_messages
+    from tdmesh.protocol.transport import FRAME_HEADER, MAGIC, checksum
     for name, value in make_certificates(str(tmp_path / "tls")).items():
         monkeypatch.setenv(name, value)
     listener = socket.socket()

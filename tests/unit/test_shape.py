@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tdmesh import Shape, Slice, UnknownDimError
-from tdmesh.slice import ravel, row_major_strides
+from tdmesh.geometry.slice import ravel, row_major_strides
 
 try:
     from .strategies import (

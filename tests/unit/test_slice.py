@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tdmesh.slice import Slice, ravel, row_major_strides, unravel
+from tdmesh.geometry.slice import Slice, ravel, row_major_strides, unravel
 
 try:
     from .strategies import PROPS, UNREPRESENTABLE, dense_slices, grid, model_at, model_select, raw_triples, slices

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pickle_bombs import upstream_bomb
 
-from tdmesh import messages as m
-from tdmesh.transport import FRAME_HEADER, MAGIC, Connection, ProtocolError, checksum, decode, encode
+from tdmesh.protocol import messages as m
+from tdmesh.protocol.transport import FRAME_HEADER, MAGIC, Connection, ProtocolError, checksum, decode, encode
 
 HEADER = FRAME_HEADER
 FUZZ = settings(max_examples=120, deadline=None, database=None)
@@ -228,8 +228,8 @@ def test_a_big_buffer_travels_in_a_bulk_frame_and_is_read_in_place(pair):
 
     import torch
 
-    from tdmesh.bulk import OUT_OF_BAND, BulkFrame
-    from tdmesh.codec import pack_tensor, pickle_value, unpack_tensor, unpickle_value
+    from tdmesh.protocol.bulk import OUT_OF_BAND, BulkFrame
+    from tdmesh.protocol.codec import pack_tensor, pickle_value, unpack_tensor, unpickle_value
     t = torch.arange(OUT_OF_BAND // 4 + 5, dtype=torch.float32)
     wire = pickle_value({"t": pack_tensor(t), "small": pack_tensor(torch.ones(3))})
     assert type(wire) is tuple and len(wire) == 2 and len(wire[0]) < 1000  # only the big tensor's bytes left out
@@ -252,7 +252,7 @@ def test_a_big_buffer_travels_in_a_bulk_frame_and_is_read_in_place(pair):
 
 def test_a_bulk_frame_is_forwarded_whole_with_its_checksum(pair):
     """What a relay does with a fetch result from one of its ranks."""
-    from tdmesh.bulk import BulkFrame, frame_parts
+    from tdmesh.protocol.bulk import BulkFrame, frame_parts
     is_bulk, parts, crc = frame_parts([m.FetchResult(1, (b"p", pickle.PickleBuffer(bytearray(64))), None, 0)],
                                       out_of_band=16)
     assert is_bulk
@@ -265,7 +265,7 @@ def test_a_bulk_frame_is_forwarded_whole_with_its_checksum(pair):
 
 
 def test_messages_without_big_buffers_make_a_plain_frame():
-    from tdmesh.bulk import frame_parts
+    from tdmesh.protocol.bulk import frame_parts
     is_bulk, parts, _ = frame_parts([m.FetchResult(1, (b"p", pickle.PickleBuffer(bytearray(100))), None, 0)])
     assert not is_bulk and len(parts) == 1 and parts[0][0] == pickle.PROTO[0]
 

@@ -1,0 +1,183 @@
+"""``mesh.activate()`` and ``tdmesh.no_mesh``: making a mesh the one ops run on.
+
+Activation takes effect on call (before any ``with``) and restores the previous mesh when
+its context exits, so activations nest; ``mesh.deactivate()`` ends one begun without
+``with`` (the innermost, which must be that mesh's).  While any mesh is active the client runs the
+dispatch mode that turns torch ops into remote ops, and the mesh's :class:`MeshFunctions`
+(factories describe tensors of the mesh's device type; local data given to
+``torch.tensor`` ships); ``no_mesh`` inside a CUDA mesh gives local factories back the
+client's own default device (the client never creates a CUDA context by itself).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+
+import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext, _device_constructors
+from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+from ..errors import UsageError, user_line
+from .context import active_mesh, active_mesh_or_none
+from .dispatch import MESH_MODE, ship_local
+from .tensor import Tensor
+from .unshaped import host_values
+
+__all__ = ["Activation", "MeshFunctions", "no_mesh", "deactivate"]
+
+# The client's own default device, as it was before a CUDA mesh made factories default to
+# "cuda": under no_mesh, local tensors go back there.
+_client_device: contextvars.ContextVar = contextvars.ContextVar("tdmesh_client_device", default=None)
+# The innermost activation still in effect, for mesh.deactivate() (activate() used without ``with``).
+_innermost: contextvars.ContextVar = contextvars.ContextVar("tdmesh_innermost_activation", default=None)
+_mode_lock = threading.Lock()
+_mode_depth = 0
+
+
+class Activation:
+    """Returned by ``activate()``: already in effect; exiting restores the previous mesh."""
+
+    def __init__(self, mesh) -> None:
+        self._mesh = mesh
+        self._token = active_mesh.set(mesh)
+        self._innermost_token = _innermost.set(self)
+        self._device_token = None
+        self._device_ctx: DeviceContext | None = None
+        if mesh is not None:
+            if mesh.device_type == "cuda" and _client_device.get() is None:
+                self._device_token = _client_device.set(default_device())
+            self._device_ctx = MeshFunctions(mesh.device_type)
+        elif _client_device.get() is not None:  # no_mesh inside a CUDA mesh
+            self._device_ctx = DeviceContext(_client_device.get())
+        if self._device_ctx is not None:
+            self._device_ctx.__enter__()
+        _enter_mode()
+        self._active = True
+
+    def __enter__(self):
+        return self._mesh
+
+    def __exit__(self, *exc) -> None:
+        self.deactivate()
+
+    def deactivate(self) -> None:
+        if not self._active:
+            return
+        self._active = False
+        _exit_mode()
+        if self._device_ctx is not None:
+            self._device_ctx.__exit__(None, None, None)
+        if self._device_token is not None:
+            _client_device.reset(self._device_token)
+        active_mesh.reset(self._token)
+        _innermost.reset(self._innermost_token)
+
+
+def deactivate(mesh) -> None:
+    """End the innermost activation, which must be ``mesh``'s: the mesh active before it is
+    active again.  Activations nest, so ending an outer one first would leave the inner
+    one's mesh active under the outer's name; that is refused."""
+    current = _innermost.get()
+    if current is None or current._mesh is not mesh:
+        active = "no mesh is active" if current is None else f"the active mesh is {current._mesh!r}"
+        raise UsageError(f"{mesh!r} is not the active mesh ({active}): deactivate() ends the innermost "
+                         f"activation, begun by that mesh's activate()\n  at {user_line()}")
+    current.deactivate()
+
+
+class MeshFunctions(DeviceContext):
+    """The torch-function half of an active mesh (its dispatch half is ``MESH_MODE``).
+
+    As a DeviceContext it makes factories default to the mesh's device type.  It also sees
+    the calls that never reach the dispatcher in a form tdmesh can act on:
+    ``torch.tensor``/``as_tensor``/``asarray`` of a local tensor ship it to the mesh
+    (``as_tensor`` of a tensor that needs no conversion dispatches nothing at all), and
+    ``tensor_split`` by a remote tensor of indices reads them first (torch's kernel reads
+    the indices' memory directly).  On CUDA meshes it replaces the DeviceContext the mesh
+    needs anyway, so ops pay no extra Python call; on CPU meshes it costs one per torch call.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        special = _SPECIAL.get(func)
+        if special is not None:
+            out = special(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        if func in _device_constructors() and kwargs.get("device") is None:
+            kwargs["device"] = self.device
+        return func(*args, **kwargs)
+
+
+def _ship(func, args, kwargs):
+    """``torch.tensor(local)`` under a mesh: a copy of ``local`` on every rank of the mesh."""
+    data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+    mesh = active_mesh_or_none()
+    if mesh is None or not isinstance(data, torch.Tensor) or type(data) is Tensor:
+        return NotImplemented  # Python data lifts through the dispatcher; remote data copies there
+    dtype = kwargs.get("dtype")
+    local = data.detach()
+    if dtype is not None:
+        local = local.to(dtype)
+    out = ship_local(local, mesh)
+    if kwargs.get("requires_grad"):
+        out.requires_grad_()
+    return out
+
+
+def _split_by_remote_indices(func, args, kwargs):
+    for key in ("tensor_indices_or_sections", "indices_or_sections"):
+        if type(kwargs.get(key)) is Tensor:
+            values = host_values(kwargs[key], "tensor_split")
+            rest = {k: v for k, v in kwargs.items() if k != key}
+            return func(*args, **rest, **{"indices" if isinstance(values, list) else "sections": values})
+    if len(args) > 1 and type(args[1]) is Tensor:
+        return func(args[0], host_values(args[1], "tensor_split"), *args[2:], **kwargs)
+    return NotImplemented
+
+
+_SPECIAL = {torch.tensor: _ship, torch.as_tensor: _ship, torch.asarray: _ship,
+            torch.tensor_split: _split_by_remote_indices, torch.Tensor.tensor_split: _split_by_remote_indices}
+
+
+def default_device() -> torch.device:
+    """The device factories use now, as ``torch.get_default_device()`` finds it, but never
+    resolving an index-less "cuda" (that would initialise CUDA in the client)."""
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    return context.device if context is not None else torch.device("cpu")
+
+
+def _enter_mode() -> None:
+    global _mode_depth
+    with _mode_lock:
+        if _mode_depth == 0:
+            _push_mode(MESH_MODE)
+        _mode_depth += 1
+
+
+def _exit_mode() -> None:
+    global _mode_depth
+    with _mode_lock:
+        _mode_depth -= 1
+        if _mode_depth == 0:
+            _pop_mode()
+
+
+class _NoMesh:
+    """``no_mesh.activate()``: torch ops on local tensors run locally again."""
+
+    device_type = "cpu"
+
+    def activate(self) -> Activation:
+        return Activation(None)
+
+    def __repr__(self) -> str:
+        return "tdmesh.no_mesh"
+
+
+no_mesh = _NoMesh()

@@ -1,0 +1,400 @@
+"""The client: owns the connections to one fleet, sends batches, and pumps replies.
+
+This runs in the user's process (torchrun's rank 0 spawns it).  Ops arrive from
+:func:`tdmesh.engine.issue.issue` at ``sink.submit``: the client is the sink, except while a compiled
+function is traced.  Each op is recorded in the dataflow history, pickled once and appended
+once to the outbox (:mod:`tdmesh.engine.outbox`), which goes out whole to every child (a worker, or a
+host's relay) when it grows, when a value is awaited, or shortly after the user stops issuing
+ops.  A reader thread turns frames into inbox messages; the user's thread applies them (one
+handler per worker->client message) when it waits (``pump``), so the history needs no lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import queue
+import selectors
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..config import ControllerParams, SupervisionParams
+from ..errors import DeviceException, ProtocolError, ProtocolViolation, UsageError, call_site, frames, site_text
+from ..protocol import messages as m
+from ..protocol.schema import received_messages
+from ..protocol.transport import Connection, checksum, encode
+from . import coalescing
+from .debugging import Debugger
+from .future import Future
+from .history import History
+from .outbox import Outbox
+from .supervisor import FleetFailure, FleetInfo, Supervisor, WorkerLost
+
+log = logging.getLogger("tdmesh")
+
+_FLUSH_BYTES = 256 * 1024
+# A coalescing block streams in batches of this size: about 400 CallOps, so the workers start
+# on a long block within milliseconds (a 256 KiB batch held ~6,500 of them back, which made
+# a long block slower than plain dispatch) and a block still sends ~100x fewer frames than ops.
+_BARE = (m.CallOp, m.CallRecording)
+_COALESCED_BATCH_BYTES = 16 * 1024
+_dumps = pickle.dumps  # transport.encode, without the call: submit runs once per op
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_monotonic = time.monotonic
+_FLUSH_INTERVAL = 0.002
+
+
+class Client:
+    """``conns`` are the client's children, keyed by the first rank behind each: a worker, or a
+    host's relay (``relays`` maps those keys to the ranks behind them)."""
+
+    def __init__(self, conns: dict[int, Connection], hellos: dict[int, m.Hello], log_dir: str | None = None,
+                 on_shutdown: Callable[[], None] | None = None, supervision: SupervisionParams | None = None,
+                 controller: ControllerParams | None = None,
+                 process_failure: Callable[[], str | None] | None = None, relays: dict | None = None) -> None:
+        self.lock = threading.RLock()
+        self.conns = conns
+        self.hellos = hellos
+        self.relays = relays or {}
+        self.info = FleetInfo(hellos, log_dir, process_failure, self.relays)
+        self.ranks = sorted(hellos)
+        self.children = sorted(conns)
+        device = hellos[self.ranks[0]].device
+        self.device = torch.device("cuda", 0) if device.startswith("cuda") else torch.device("cpu")
+        self.device_type = self.device.type
+        self.next_ref = 1
+        self._next_seq = 0
+        self.outbox = Outbox(tuple(self.ranks))
+        self._last_flush = time.monotonic()
+        self._deletes: dict[object, tuple] = {}   # mesh -> (mesh, [refs]): DeviceMesh hashes by identity
+        self._groups: dict = {}                   # CreateGroups key -> id, for keys already sent
+        self.op_numbers: dict = {}                # OpPlan -> this client's number for it (DefineOp sent)
+        self.sink = self                          # where issued ops go: a Recorder while tracing,
+        self.delete_holder = None                 # which holds frees until its outcome is queued
+        self.history = History(self.children)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.failure: DeviceException | None = None
+        self.closed = False
+        self._on_shutdown = on_shutdown
+        self.exiting = False
+        self.reading: tuple[int, float] | None = None  # (child, since when) while the reader is inside its frame
+        self.supervision = supervision or SupervisionParams.from_env()
+        self.controller = controller or ControllerParams.from_env()
+        self._ops_since_probe = 0
+        self._probe_every = self.controller.ops_per_progress_request
+        self.debugger = Debugger(self)
+        self.supervisor = Supervisor(self, self.supervision, self.controller, process_failure)
+        self._reader = threading.Thread(target=self._read_loop, name="tdmesh-reader", daemon=True)
+        self._reader.start()
+        self._flusher = threading.Thread(target=self._flush_loop, name="tdmesh-flusher", daemon=True)
+        self._flusher.start()
+        self._handlers: dict[type, Callable[[int, Any], None]] = {
+            m.Status: self.Status, m.FetchResult: self.FetchResult, m.RemoteFunctionFailed: self.RemoteFunctionFailed,
+            WorkerLost: self.WorkerLost, FleetFailure: self.FleetFailure, **self.debugger.handlers}
+        for key in self.relays:
+            conns[key].send_control(m.RelayConfig(*self.supervision))
+        self.send_setup(m.Supervise(self.supervision.heartbeat_interval))
+        self.flush()
+
+    def new_ref(self) -> int:
+        """Refs only grow: a ref >= ``next_ref`` now is one made from now on (see recording.py)."""
+        ref = self.next_ref
+        self.next_ref = ref + 1
+        return ref
+
+    def new_seq(self) -> int:
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        return seq
+
+    @property
+    def last_seq(self) -> int:
+        """The seq of the op issued last."""
+        return self._next_seq - 1
+
+    def check_usable(self) -> None:
+        """Raise the fleet's failure (now observed) or refuse an exited mesh."""
+        if self.failure is not None:
+            self.failure.observed = True
+            raise self.failure
+        if self.closed:
+            raise UsageError("this mesh has exited; its tensors can no longer be used")
+
+    def submit(self, ranks, msg, seq: int | None = None, uses=(), defs=(), future: Future | None = None,
+               inputs=(), deletes_first: bool = False, outputs=(), site=None) -> None:
+        """The sink's one method: record op ``seq`` (if any) in the history and queue ``msg``
+        for ``ranks``.  Frees of dead proxies are batched into one DeleteRefs per flush (ref
+        ids are never reused, so a late free is safe); ``deletes_first`` sends them first.
+        ``inputs`` and ``outputs`` (the proxies the op read and made) matter to a recorder only;
+        ``site`` is the user's call site where the caller has it (else it is captured here)."""
+        with self.lock:
+            if self.failure is not None or self.closed:
+                self.check_usable()
+            if deletes_first and self._deletes:
+                self._queue_deletes()
+            if seq is not None:
+                self.history.add(seq, uses, defs, site if site is not None else call_site(), future)
+            # CallOps and CallRecordings travel as bare tuples (see messages.CallOp)
+            data = _dumps(tuple(msg) if type(msg) in _BARE else msg, _PROTOCOL)
+            outbox = self.outbox
+            found = outbox.known.get(id(ranks))  # Outbox.set_id's first lookup, inlined: once per op
+            outbox.append(found[1] if found is not None and found[0] is ranks else outbox.set_id(ranks), data)
+            if seq is not None:
+                self._ops_since_probe += 1
+                if self._ops_since_probe >= self._probe_every:
+                    self._queue_probe(seq)  # after the op itself: the probe must not overtake it
+            if coalescing.depth():
+                coalescing.clients().add(self)
+                if outbox.bytes > _COALESCED_BATCH_BYTES:  # a long block streams: the workers start on it
+                    self.flush()
+            elif outbox.bytes > _FLUSH_BYTES or _monotonic() - self._last_flush > _FLUSH_INTERVAL:
+                self.flush()
+
+    def send_setup(self, msg, ranks=None) -> None:
+        """A message that sets the fleet up (groups, recordings, supervision): never part of a
+        compiled function, so it bypasses the sink."""
+        with self.lock:
+            self.check_usable()
+            self.outbox.put(self.ranks if ranks is None else ranks, encode(msg))
+
+    def _queue_probe(self, seq: int) -> None:
+        """A RequestStatus after ``seq``: progress for the supervisor and completion for the
+        history, so long runs without fetches keep both current (and memory flat)."""
+        self._ops_since_probe = 0
+        self.outbox.put_all(encode(m.RequestStatus(seq)))
+        self.supervisor.probed(seq)
+        self._drain_inbox()
+
+    def send_probe(self) -> None:
+        """From the supervisor thread: probe progress if the user is not sending anything."""
+        if self.lock.acquire(timeout=0.1):
+            try:
+                if not self.closed and self.failure is None and self._next_seq:
+                    self._queue_probe(self._next_seq - 1)
+                    self.flush()
+            finally:
+                self.lock.release()
+
+    def outstanding_work(self, frontier: int) -> bool:
+        return self._next_seq > frontier
+
+    def _drain_inbox(self) -> None:
+        """Apply whatever replies already arrived, without waiting (caller holds the lock)."""
+        inbox = self.inbox
+        while not inbox.empty():
+            try:
+                rank, msg = inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._apply(rank, msg)
+
+    def ensure_groups(self, kind: str, stream: int, mesh=None, dims: tuple = (), ref=None,
+                      to_stream=None) -> int:
+        """Have every rank create the process groups of this key, once; returns the key's id."""
+        key = (kind, stream, mesh, dims, ref, to_stream)
+        found = self._groups.get(key)
+        if found is None:
+            with self.lock:
+                found = self._groups.get(key)
+                if found is None:
+                    found = self._groups[key] = len(self._groups) + 1
+                    self.send_setup(m.CreateGroups(kind, stream, mesh, dims, ref, to_stream, found))
+        return found
+
+    def define_op(self, plan) -> int:
+        """Number an op plan and define it on every rank (before any CallOp names it)."""
+        with self.lock:
+            number = self.op_numbers[plan] = len(self.op_numbers) + 1
+            self.send_setup(m.DefineOp(number, plan.path, plan.args, plan.kwargs))
+        return number
+
+    def delete_ref(self, ref: int, mesh) -> None:
+        """Called when a proxy dies (any thread): batched into the next flush."""
+        if self.closed:
+            return
+        holder = self.delete_holder
+        if holder is not None and holder.hold_delete(ref, mesh):  # a trace is pending (programs.tracing)
+            return
+        entry = self._deletes.get(mesh)
+        if entry is None:
+            entry = self._deletes.setdefault(mesh, (mesh, []))
+        entry[1].append(ref)
+
+    def delete_refs(self, refs, mesh) -> None:
+        for ref in refs:
+            self.delete_ref(ref, mesh)
+
+    def _queue_deletes(self) -> None:
+        deletes, self._deletes = self._deletes, {}
+        for mesh, refs in deletes.values():
+            if refs:
+                self.history.forget_refs(refs)
+                self.outbox.put(mesh.rank_list, encode(m.DeleteRefs(tuple(refs))))
+
+    def pending_messages(self) -> int:
+        """Messages queued and not yet sent (each once, whatever the ranks it goes to)."""
+        return self.outbox.pending()
+
+    def flush(self) -> None:
+        with self.lock:
+            if self._deletes:
+                self._queue_deletes()
+            self._last_flush = time.monotonic()
+            if not self.outbox.log:
+                return
+            payload = self.outbox.take()
+            crc = checksum(payload)
+            for key, conn in self.conns.items():
+                try:
+                    conn.send_payload(payload, crc)
+                except OSError as e:
+                    # A dead process shows first as a broken pipe; the launcher's exit code
+                    # or signal, when it comes within a moment, says more.
+                    self._fail_fleet(self.info.lost(key, self.info.exit_reason() or f"sending to it failed: {e}"))
+            self.outbox.sent(len(payload), len(self.conns))
+
+    def _flush_loop(self) -> None:
+        while not self.closed:
+            time.sleep(_FLUSH_INTERVAL)
+            if (self.outbox.log or self._deletes) and not self._coalescing_held():
+                if self.lock.acquire(timeout=0.05):
+                    try:
+                        if not self.closed and self.failure is None:
+                            self.flush()
+                    finally:
+                        self.lock.release()
+
+    def _coalescing_held(self) -> bool:
+        """True while a coalescing block holds this client's messages back."""
+        return self in coalescing.held_clients
+
+    def _read_loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        for rank, conn in self.conns.items():
+            sel.register(conn.sock, selectors.EVENT_READ, rank)
+        open_ranks = set(self.conns)
+        while open_ranks:
+            for key, _ in sel.select(timeout=0.5):
+                rank = key.data
+                error: BaseException | None = None
+                self.reading = (rank, time.monotonic())  # the supervisor's view of a frame that stalls midway
+                try:
+                    msgs = received_messages(self.conns[rank], self.hellos)
+                except (OSError, ProtocolError, ProtocolViolation) as e:
+                    msgs, error = None, e
+                self.reading = None
+                if msgs is None:
+                    sel.unregister(key.fileobj)
+                    open_ranks.discard(rank)
+                    if not self.exiting:
+                        why = self.info.exit_reason() or (str(error) if error else "its connection closed")
+                        self.inbox.put((rank, WorkerLost(why)))
+                    continue
+                supervisor = self.supervisor
+                supervisor.seen(rank)
+                for msg in msgs:
+                    t = type(msg)
+                    if t is m.Heartbeat:
+                        continue
+                    if t is m.Status:
+                        supervisor.status(rank, msg.first_uncompleted)
+                    elif t is m.FetchResult:  # one of a gather's values: which rank's it is matters
+                        self.inbox.put((msg.rank if msg.rank >= 0 else rank, msg))
+                        continue
+                    elif t is m.RanksLost:
+                        if not self.exiting:
+                            why = self.info.exit_reason() or msg.why  # the launcher's account, if it has one
+                            self.inbox.put((msg.ranks[0], WorkerLost(why, msg.ranks)))
+                        continue
+                    elif t is m.DebuggerRead or t is m.DebuggerDone:
+                        self.debugger.seen(msg)
+                    elif t is m.WorkerFailed:  # at once: its exit must not be reported first
+                        self.fail_from_supervisor(self.info.broken_device(msg, self.site_of(msg.seq)))
+                        continue
+                    self.inbox.put((rank, msg))
+
+    def pump(self, timeout: float | None = 0, until: Callable[[], bool] | None = None) -> None:
+        """Apply worker replies to the history until ``until()`` holds or ``timeout`` passes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.flush()
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                rank, msg = self.inbox.get(timeout=remaining) if remaining != 0 else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            with self.lock:
+                self._apply(rank, msg)
+            if until is not None and until():
+                return
+
+    def _apply(self, rank: int, msg) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is not None:
+            return handler(rank, msg)
+        self._fail_fleet(DeviceException(f"{self.info.name(rank)} sent an unexpected {type(msg).__name__}: {msg!r}"))
+
+    # handlers of worker->client messages (and the reader's and supervisor's inbox items)
+    def Status(self, rank: int, msg: m.Status) -> None:
+        for node in self.history.status(msg):
+            self.history.resolve(node)
+
+    def FetchResult(self, rank: int, msg: m.FetchResult) -> None:
+        self.history.set_value(msg, rank)
+
+    def RemoteFunctionFailed(self, rank: int, msg: m.RemoteFunctionFailed) -> None:
+        self.history.fail(msg, frames)
+
+    def WorkerLost(self, rank: int, msg: WorkerLost) -> None:
+        if not self.closed:
+            self._fail_fleet(self.info.lost(rank, msg.why, msg.ranks))
+
+    def FleetFailure(self, rank: int, msg: FleetFailure) -> None:
+        self._fail_fleet(msg.error)
+
+    def site_of(self, seq: int) -> str:
+        """The user's line that issued op ``seq``, while the op is not complete."""
+        return site_text(self.history.site_of(seq))
+
+    def fail_from_supervisor(self, exc: DeviceException) -> None:
+        """From the supervisor (or reader) thread: the fleet is broken; wake whoever waits."""
+        if self.exiting:
+            return
+        if self.failure is None:
+            self.failure = exc
+        self.inbox.put((-1, FleetFailure(exc)))
+
+    def _fail_fleet(self, exc: DeviceException) -> None:
+        if self.failure is None:
+            self.failure = exc
+        for fut in self.history.pending_futures():
+            if not fut._finished():
+                fut._set_exception(self.failure)
+
+    def request_status(self, seq: int) -> None:
+        """Every rank answers once all it was sent before this has run."""
+        self.sink.submit(self.ranks, m.RequestStatus(seq))
+
+    def shutdown(self, error: str | None = None, timeout: float = 30.0, detach: bool = False) -> None:
+        """Stop every worker (or, with ``detach``, release them for the next client); idempotent."""
+        if self.closed:
+            return
+        self.exiting = True
+        try:
+            if self.failure is None:
+                with self.lock:
+                    self._queue_deletes()
+                    self.outbox.put_all(encode(m.Detach() if detach else m.Exit(error)))
+                    self.flush()
+                self._reader.join(timeout)
+        finally:
+            self.closed = True
+            for conn in self.conns.values():
+                conn.close()
+            if self._on_shutdown is not None:
+                self._on_shutdown()
+

@@ -1,0 +1,302 @@
+"""aten calls to remote ops: the front of the client's data path.
+
+``Tensor.__torch_dispatch__`` and the mode that is active while a mesh is (``MESH_MODE``,
+pushed by :mod:`tdmesh.engine.activation`) send every aten call here.  An op on remote tensors,
+or a factory under an active mesh, gets its output metadata from :mod:`tdmesh.engine.propagation`
+(errors the metadata reveals are raised at the user's line) and is issued as one
+``CallFunction`` through :func:`tdmesh.engine.issue.issue`.  Ops that need a Python value now
+(``.item()``, ``bool()``) fetch; ops on local tensors only stay local.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._mode_utils import no_dispatch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map, tree_unflatten
+
+from ..errors import UsageError, user_line
+from ..protocol import messages as m
+from ..protocol.codec import pack_tensor
+from .context import active_mesh_or_none
+from .host_reads import read_name, read_on_host
+from .issue import New, issue, issue_op
+from .placement import check_inputs, check_mutation
+from .plan import MAX_PLANS, PLANS, OpPlan, make_plan, outputs_of
+from .propagation import TensorMeta, meta_tensor, op_aliasing, propagate, tensor_meta
+from .stream import get_active_stream
+from .tensor import Tensor, describe, raise_in_op
+from .unshaped import data_dependent, dispatch_unshaped, no_kernel
+from .wire import op_path, to_wire
+
+__all__ = ["dispatch", "ship_local", "MESH_MODE"]
+
+# Ops whose answer is a Python value on the client: they need a fetch, not a dispatch.
+_NEEDS_VALUE = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::item"}
+_LIFT = ("aten::lift_fresh", "aten::lift")
+# Questions a proxy's metadata answers without asking the workers.
+_STRUCTURE_QUERIES = {"prim::device", "aten::_nnz", "aten::sparse_dim", "aten::dense_dim", "aten::is_coalesced",
+                      "aten::_dimI", "aten::_dimV", "aten::is_same_size"}
+
+_no_tensor_out: dict = {}
+_value_out: dict = {}
+
+
+def _makes_no_tensor(func) -> bool:
+    answer = _no_tensor_out.get(func)
+    if answer is None:
+        answer = not any("Tensor" in str(r.type) for r in func._schema.returns) and not any(
+            "Tensor" in str(a.type) for a in func._schema.arguments)
+        _no_tensor_out[func] = answer
+    return answer
+
+
+def _returns_python_value(func) -> bool:
+    """Ops such as ``allclose`` or ``equal`` answer with a Python value, not a tensor."""
+    answer = _value_out.get(func)
+    if answer is None:
+        returns = func._schema.returns
+        answer = _value_out[func] = bool(returns) and not any("Tensor" in str(r.type) for r in returns)
+    return answer
+
+
+def _scan(obj, remote: list, local: list):
+    """One pass over an op's arguments: collect tensors, and build the propagation cache key."""
+    t = type(obj)
+    if t is Tensor:
+        remote.append(obj)
+        return obj._meta
+    if t is tuple or t is list:  # foreach ops take lists of hundreds of tensors: those inline
+        parts = []
+        for x in obj:
+            if type(x) is Tensor:
+                remote.append(x)
+                parts.append(x._meta)
+            else:
+                parts.append(_scan(x, remote, local))
+        return (t, tuple(parts))
+    if t is dict:
+        return (dict, tuple([(k, _scan(v, remote, local)) for k, v in obj.items()]))
+    if isinstance(obj, torch.Tensor):
+        local.append(obj)
+        return ("local", id(obj))
+    if t is float or t is bool or t is complex:  # 12 == 12.0 == True, but they make other dtypes
+        return (t, obj)
+    return obj
+
+
+def dispatch(func, args: tuple, kwargs: dict):
+    """Turn one aten call into a remote op and return its result proxies."""
+    remote: list = []
+    local: list = []
+    parts: list = []
+    for x in args:  # _scan(args), with its commonest leaf inline: this runs for every op
+        if type(x) is Tensor:
+            remote.append(x)
+            parts.append(x._meta)
+        else:
+            parts.append(_scan(x, remote, local))
+    key = (func, (tuple, tuple(parts)), _scan(kwargs, remote, local) if kwargs else None)
+    if not local:
+        try:
+            plan = PLANS.get(key)
+        except TypeError:  # an unhashable argument: never planned
+            plan = None
+        if plan is not None:  # the hot path: this op with this argument metadata was seen before
+            mesh = remote[0]._mesh if remote else active_mesh_or_none()
+            if mesh is not None and mesh.client is not None:
+                stream = get_active_stream()
+                check_inputs(remote, mesh, func, stream)
+                return _issue_plan(plan, remote, mesh, _op_device(remote, kwargs, mesh.client), stream)
+    name = func._schema.name
+    if remote:
+        mesh = remote[0]._mesh
+        if name in _NEEDS_VALUE or _returns_python_value(func):
+            return _value_on_client(func, args, kwargs, remote)
+    elif local and name not in _LIFT:
+        # only local tensors (a fetched value, say): the op is the client's own business.
+        # Mixing local and remote tensors is the error (below); torch.tensor(data) ships data.
+        return func(*args, **kwargs)
+    else:
+        mesh = active_mesh_or_none()
+        if mesh is None or _makes_no_tensor(func):
+            # no_mesh, or an op with no remote input and no tensor output (profiler ranges and
+            # the like): it is the client's own business
+            return func(*args, **kwargs)
+    client = mesh.client
+    if client is None:
+        raise UsageError(f"{mesh!r} is a pure geometry value with no fleet; get a live mesh from "
+                         f"tdmesh.local_mesh() or tdmesh.world_mesh()\n  at {user_line()}")
+    if local:
+        if name in _LIFT and not remote:
+            return ship_local(local[0], mesh)
+        raise_in_op("LOCAL_TENSOR", f"{func} mixes a local tensor with the mesh {mesh.shape}:\n"
+                                    f"  {describe(local[0])}\ncopy it to the mesh with torch.tensor(tensor) under "
+                                    f"mesh.activate() or tdmesh.to_mesh(tensor, mesh), "
+                                    f"or run local code under tdmesh.no_mesh.activate()")
+    check_inputs(remote, mesh, func)
+    return _dispatch_remote(func, args, kwargs, key, remote, mesh, client)
+
+
+def _op_device(remote: list, kwargs: dict, client) -> torch.device:
+    if remote:
+        return remote[0].device
+    device = kwargs.get("device")
+    if device is None:
+        return client.device
+    device = torch.device(device)
+    return client.device if device.type == client.device.type else device  # "cuda": the worker's own GPU
+
+
+def _issue_plan(plan: OpPlan, remote: list, mesh, device, stream):
+    for slot in plan.mutated:
+        check_mutation(remote[slot], plan.func)
+    proxies = issue_op(mesh, plan, remote, device, stream)
+    return proxies[0] if plan.single else tree_unflatten(proxies, plan.spec)
+
+
+def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
+    device = _op_device(remote, kwargs, client)
+    try:
+        out = propagate(func, args, kwargs, remote, key)
+    except Exception as e:  # noqa: BLE001 - re-raised, with the user's line
+        if data_dependent(e):
+            return dispatch_unshaped(func, args, kwargs, remote, mesh, device, "its output shape depends on the data")
+        if no_kernel(e):
+            return dispatch_unshaped(func, args, kwargs, remote, mesh, device,
+                                      "torch cannot derive its output metadata without running it")
+        # Errors that metadata reveals are the user's, raised at their line as local torch would.
+        if not _retypable(e):
+            raise
+        raise type(e)(f"{e}\n  (tdmesh: raised while checking {func} on the client, before anything was sent)"
+                      f"\n  at {user_line()}") from None
+    if out.sparse:  # meta kernels cannot know how many elements a sparse result holds
+        return dispatch_unshaped(func, args, kwargs, remote, mesh, device, "it makes a sparse tensor")
+    aliasing = op_aliasing(func)
+    try:
+        plan = make_plan(func, args, kwargs, out, aliasing, _leaf_positions(aliasing, out), len(remote))
+    except NotImplementedError as e:
+        raise NotImplementedError(f"{e}\n  at {user_line()}") from None
+    if plan.reusable and len(PLANS) < MAX_PLANS:
+        try:
+            PLANS[key] = plan
+        except TypeError:  # an unhashable argument: sent whole
+            pass
+        else:
+            return _issue_plan(plan, remote, mesh, device, get_active_stream())
+    # sent whole: an op whose tensors are not all slots, an in-place view op, a full plan cache
+    for slot in plan.mutated:
+        check_mutation(remote[slot], func)
+    outputs, values = outputs_of(plan, remote)
+    stream = get_active_stream()
+    path = plan.path
+
+    def build(seq, results, mutated_refs):
+        return m.CallFunction(seq, results, mutated_refs, path, to_wire(args), to_wire(kwargs) if kwargs else {},
+                              stream.id)
+
+    for slot, meta in plan.restrides:  # before anything is sent: a refusal leaves both sides as they were
+        _restride(func, args, kwargs, remote[slot], meta)
+    proxies = issue(mesh, build, inputs=remote, outputs=outputs, mutated=[remote[s] for s in plan.mutated],
+                    device=device, stream=stream)
+    for position, value in values:
+        proxies[position] = value
+    return proxies[0] if out.single else tree_unflatten(proxies, out.spec)
+
+
+def _restride(func, args, kwargs, proxy: Tensor, meta: TensorMeta) -> None:
+    """An in-place view op changes the proxy's own sizes, strides and offset, as it changes
+    the worker's tensor: run the op's meta kernel on the wrapper itself, with no dispatch
+    (torch's subclass helpers update wrapper metadata the same way)."""
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        except RuntimeError as e:  # resize_ growing a CUDA wrapper: torch's kernel asserts a meta tensor
+            # the kernel may have changed the (dense) proxy's sizes before it failed: put them back
+            old: TensorMeta = proxy._meta  # type: ignore[assignment]
+            torch.ops.aten.as_strided_.default(proxy, old.size, old.stride, old.offset)
+            raise NotImplementedError(
+                f"{func} changes a remote {proxy.device.type} tensor's shape in a way the client's proxy cannot "
+                f"follow ({str(e).splitlines()[0]}); nothing was sent.  Make a new tensor instead "
+                f"(torch.empty(new_shape), or x.new_empty(new_shape))\n  at {user_line()}") from None
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+    proxy._meta = meta
+
+
+def _leaf_positions(aliasing, out) -> list[tuple[int | None, bool]]:
+    """For each output leaf: (the schema position of the argument it aliases or None,
+    whether the op writes it)."""
+    returns = aliasing.return_aliases
+    n = len(out.leaves)
+    if len(returns) == 1 and (returns[0][2] or n == 1):
+        source, is_write, _ = returns[0]
+        return [(source, is_write)] * n
+    if len(returns) == n:
+        return [(s, w) for s, w, _ in returns]
+    return [(None, False)] * n
+
+
+def _retypable(e: Exception) -> bool:
+    try:
+        type(e)("probe")
+        return True
+    except Exception:  # noqa: BLE001 - any constructor that refuses a message
+        return False
+
+
+def _value_on_client(func, args, kwargs, remote):
+    """``t.item()``, ``bool(t)``, ``torch.allclose``: a Python value the client needs now.
+
+    These block: the op runs on every rank of the tensors' mesh and its value comes back, one
+    round trip; it is returned where all ranks agree, else a ValueError lists them
+    (:mod:`tdmesh.engine.host_reads`).  Prefer ``fetch_shard`` where the wait can be deferred.
+    """
+    name = func._schema.name
+    if name in _STRUCTURE_QUERIES:
+        if name == "prim::device":  # asked of sparse proxies only: a wrapper knows its device
+            return remote[0]._device
+        return func(*_on_meta(args), **_on_meta(kwargs))
+    what = f"{read_name(name)} of {describe(remote[0])}"
+    return read_on_host(remote[0]._mesh, op_path(func), args, kwargs, what)
+
+
+def _on_meta(value):
+    return tree_map(lambda x: meta_tensor(x._meta) if type(x) is Tensor else x, value)
+
+
+def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:
+    """A copy of the local tensor ``data`` on every rank of ``mesh`` (``torch.tensor(python
+    data)`` under a mesh, ``tdmesh.to_mesh(local, mesh)``): its bytes travel with the op."""
+    device = mesh.client.device
+    data = data.detach().to("cpu", copy=True)  # its bytes travel; each worker copies to its device
+    if data.layout is torch.strided:
+        data = data.contiguous()
+    meta = tensor_meta(data)
+    stream = stream if stream is not None else get_active_stream()
+
+    def build(seq, results, _mutated):
+        return m.CallFunction(seq, results, (), "tdmesh.worker.builtins.shipped", (pack_tensor(data), device), {},
+                              stream.id)
+
+    return issue(mesh, build, outputs=[New(meta)], device=device, stream=stream)[0]
+
+
+class _MeshMode(TorchDispatchMode):
+    """Active while any mesh is: factory calls and ops on remote tensors go to the mesh."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
+
+
+def _mode_dispatch(self, func, types, args=(), kwargs=None):
+    return dispatch(func, args, kwargs or {})
+
+
+# torch wraps a mode's __torch_dispatch__ in a dynamo-disable shim (several microseconds per
+# op); tdmesh is never traced by dynamo, so the hot path calls the plain function.
+_MeshMode.__torch_dispatch__ = _mode_dispatch  # type: ignore[method-assign]
+MESH_MODE = _MeshMode()
+Tensor.dispatch = staticmethod(dispatch)

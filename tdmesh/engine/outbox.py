@@ -1,0 +1,77 @@
+"""What the client has queued for its workers: one log of entries, sent whole to each child.
+
+A message is pickled once and appended once, with the id of the rank set it is for; a flush
+sends the same payload to every child (a worker, or a host's relay), and each worker keeps
+the entries of its own rank sets.  So the client's work per op never depends on how many
+ranks receive it, and its work per flush on how many children it has (at most the relay
+fan-out).  A rank set is defined on first use by an entry that describes it as slices (a
+mesh's own :class:`Slice`), so a frame never grows with the number of ranks either.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+from ..geometry.fanout import rank_set
+from ..protocol.transport import ALL_RANKS, DEFINE_SET, ENTRY
+
+__all__ = ["Outbox"]
+
+_pack = ENTRY.pack
+_IDENTITY_CACHE = 4096
+
+
+class Outbox:
+    def __init__(self, world: tuple[int, ...]) -> None:
+        self.log: list[bytes] = []   # header, pickle, header, pickle ...
+        self.bytes = 0
+        self.frames = 0              # frames sent, over every child
+        self.bytes_sent = 0          # their payloads' bytes
+        self.known: dict[int, tuple[object, int]] = {}  # id(ranks) -> (ranks, set id): the hot path reads it
+        self._by_slices: dict[tuple, int] = {}
+        self._all = frozenset(world)
+
+    def set_id(self, ranks) -> int:
+        """The id of rank set ``ranks`` (a mesh's rank list, or any sequence), defined on first use."""
+        found = self.known.get(id(ranks))
+        if found is not None and found[0] is ranks:
+            return found[1]
+        if len(ranks) == len(self._all) and self._all.issuperset(ranks):
+            set_id: int | None = ALL_RANKS
+        else:
+            slices = getattr(ranks, "slices", None) or rank_set(ranks)
+            set_id = self._by_slices.get(slices)
+        if set_id is None:
+            set_id = self._by_slices[slices] = len(self._by_slices) + 1
+            definition = pickle.dumps((set_id, slices), protocol=pickle.HIGHEST_PROTOCOL)
+            self.log.append(_pack(DEFINE_SET, len(definition)))
+            self.log.append(definition)
+        if len(self.known) >= _IDENTITY_CACHE:
+            self.known.clear()
+        self.known[id(ranks)] = (ranks, set_id)  # holding ``ranks``: its id is not reused
+        return set_id
+
+    def put(self, ranks, data: bytes) -> None:
+        self.append(self.set_id(ranks), data)
+
+    def put_all(self, data: bytes) -> None:
+        self.append(ALL_RANKS, data)
+
+    def append(self, set_id: int, data: bytes) -> None:
+        self.log.append(_pack(set_id, len(data)))
+        self.log.append(data)
+        self.bytes += len(data)
+
+    def pending(self) -> int:
+        """Messages (and rank set definitions) queued and not yet sent."""
+        return len(self.log) // 2
+
+    def sent(self, size: int, children: int) -> None:
+        self.frames += children
+        self.bytes_sent += size * children
+
+    def take(self) -> bytes:
+        payload = b"".join(self.log)
+        self.log.clear()
+        self.bytes = 0
+        return payload

@@ -1,0 +1,59 @@
+"""Where a tensor may be used: the placement and borrow rules, checked at the user's line.
+
+An op's remote inputs must live on the op's mesh and stream, must not be dropped or
+mutably borrowed elsewhere; a mutation must not write a read-only borrow.  Breaking a rule
+is a :class:`~tdmesh.errors.PlacementError` (a ``TypeError``) before anything is sent.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import frames, site_text
+from .stream import Stream, get_active_stream
+from .tensor import Tensor, describe, raise_in_op
+
+__all__ = ["check_inputs", "check_mutation", "check_no_grad"]
+
+
+def check_inputs(remote: Sequence[Tensor], mesh, what, stream: Stream | None = None) -> None:
+    """Placement and permission checks for an op's remote inputs, raised at the user's line."""
+    stream = stream if stream is not None else get_active_stream()
+    for t in remote:
+        if t._mesh is not mesh:
+            raise_in_op("WRONG_MESH", f"{what} mixes tensors from two meshes:\n  {describe(remote[0])}\n"
+                                      f"  {describe(t)}\nmove one with t.to_mesh(other_mesh)")
+        r = t._r
+        if r.dropped_at is not None:
+            where = "".join(traceback.format_list(frames(r.dropped_at)))
+            raise_in_op("DROPPED", f"tensor {r.id} is dropped at:\n{where}and cannot be used in {what}")
+        if t._stream is not stream:
+            raise_in_op("WRONG_STREAM", f"tensor {r.id} lives on {t._stream!r} but the active stream is {stream!r}; "
+                                        f"borrow it with {stream.name!r} stream.borrow(t), or activate its stream")
+        aliases = r.aliases
+        if aliases.mutable_borrow is not None:
+            raise_in_op("BORROWED", f"tensor {r.id} is mutably borrowed by {aliases.mutable_borrow.stream!r} "
+                                    f"(at {site_text(aliases.mutable_borrow.site)}); drop the borrow before using it")
+        if aliases.borrow is not None and not aliases.borrow.first_use_sent:
+            aliases.borrow.first_use()
+
+
+def check_mutation(t: Tensor, what) -> None:
+    """``t`` is about to be written: it must not be lent read-only, nor be a read-only borrow."""
+    aliases = t._r.aliases
+    if aliases.read_borrows:
+        raise_in_op("MUTATING_BORROW", f"tensor {t._r.id} would be mutated by {what} while it is borrowed "
+                                       f"read-only; drop the borrow first")
+    if aliases.borrow is not None and not aliases.borrow.mutable:
+        raise_in_op("MUTATING_BORROW", f"tensor {t._r.id} is a read-only borrow (made at "
+                                       f"{site_text(aliases.borrow.site)}) and would be mutated by {what}")
+
+
+def check_no_grad(t: Tensor, what: str) -> None:
+    """``what`` is not differentiable: refuse a tensor that autograd would have to follow."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise_in_op("REQUIRES_GRAD", f"{what} of tensor {t.ref}, which requires grad, is not differentiable; "
+                                     f"use its .detach() or run under torch.no_grad()")

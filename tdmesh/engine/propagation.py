@@ -1,0 +1,208 @@
+"""Output metadata of an op without running it: shapes, strides, dtypes and aliasing.
+
+Ops run on the meta device (fake tensors only where a meta kernel is missing) and the
+answer is cached by the op and its arguments' metadata: a training loop repeats the same
+few hundred (op, shapes) pairs, so after the first step propagation is a dict lookup.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._mode_utils import no_dispatch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..protocol.codec import describe_tensor
+
+_META = torch.device("meta")
+
+
+class TensorMeta(NamedTuple):
+    size: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+
+
+class SparseMeta(NamedTuple):
+    """What the client knows of a remote sparse tensor (COO, CSR, CSC, BSR, BSC): its
+    structure, without its indices or values.  Sparse proxies stand on a meta tensor of
+    exactly this structure (see :func:`meta_tensor`)."""
+    size: tuple
+    layout: torch.layout
+    dtype: torch.dtype
+    nnz: int
+    dense_dim: int
+    index_dtype: torch.dtype
+    blocksize: tuple             # (rows, cols) of a BSR/BSC block, else ()
+    coalesced: bool              # COO only: whether the indices are known to be unique and sorted
+
+
+class OpAliasing(NamedTuple):
+    """From the op schema: which arguments it writes, and which argument each return aliases."""
+    mutated_args: tuple          # schema argument positions written in place
+    return_aliases: tuple        # per return: (argument position or None, is_write, is_list)
+
+
+_aliasing_cache: dict = {}
+
+
+def op_aliasing(func) -> OpAliasing:
+    try:
+        return _aliasing_cache[func]
+    except KeyError:
+        pass
+    schema = func._schema
+    by_set: dict[str, int] = {}
+    mutated: list[int] = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is not None:
+            for s in info.before_set:
+                by_set.setdefault(s, i)
+            if info.is_write:
+                mutated.append(i)
+    returns: list[tuple[int | None, bool, bool]] = []
+    for ret in schema.returns:
+        info = ret.alias_info
+        is_list = isinstance(ret.type, torch.ListType)
+        if info is None:
+            returns.append((None, False, is_list))
+        else:
+            source = next((by_set[s] for s in info.before_set if s in by_set), None)
+            returns.append((source, info.is_write, is_list))
+    result = OpAliasing(tuple(mutated), tuple(returns))
+    _aliasing_cache[func] = result
+    return result
+
+
+def schema_arg(func, args: tuple, kwargs: dict, position: int):
+    """The value bound to schema argument ``position`` in this call."""
+    if position < len(args):
+        return args[position]
+    return kwargs.get(func._schema.arguments[position].name)
+
+
+def meta_tensor(meta: TensorMeta | SparseMeta) -> torch.Tensor:
+    """An empty meta tensor with exactly this size, stride and storage offset (or this
+    sparse structure)."""
+    if isinstance(meta, SparseMeta):
+        with no_dispatch():  # a sparse proxy is made outside dispatch too: these stay local
+            return _sparse_meta_tensor(meta)
+    size, stride, offset, dtype = meta
+    extent = offset + (1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0)
+    base = torch.empty((extent,), dtype=dtype, device=_META)
+    return base.as_strided(size, stride, offset)
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta | SparseMeta:
+    if t.layout is not torch.strided:
+        return sparse_meta(t)
+    return TensorMeta(tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
+
+
+def from_description(description: tuple) -> TensorMeta | SparseMeta:
+    """The metadata a worker's ``codec.describe_tensor`` sent."""
+    return SparseMeta(*description) if isinstance(description[1], torch.layout) else TensorMeta(*description)
+
+
+def sparse_meta(t: torch.Tensor) -> SparseMeta:
+    """The structure of a sparse tensor (any device, meta included)."""
+    return SparseMeta(*describe_tensor(t))
+
+
+def _sparse_meta_tensor(s: SparseMeta) -> torch.Tensor:
+    size, n = s.size, s.nnz
+    if s.layout is torch.sparse_coo:
+        sparse_dim = len(size) - s.dense_dim
+        return torch.sparse_coo_tensor(torch.empty((sparse_dim, n), dtype=s.index_dtype, device=_META),
+                                       torch.empty((n, *size[sparse_dim:]), dtype=s.dtype, device=_META),
+                                       size, is_coalesced=s.coalesced, device=_META)
+    batch = size[:len(size) - s.dense_dim - 2]
+    rows, cols = size[len(batch):len(batch) + 2]
+    block_rows, block_cols = s.blocksize or (1, 1)
+    compressed = rows // block_rows if s.layout in (torch.sparse_csr, torch.sparse_bsr) else cols // block_cols
+    return torch.sparse_compressed_tensor(
+        torch.empty((*batch, compressed + 1), dtype=s.index_dtype, device=_META),
+        torch.empty((*batch, n), dtype=s.index_dtype, device=_META),
+        torch.empty((*batch, n, *s.blocksize, *size[len(batch) + 2:]), dtype=s.dtype, device=_META),
+        size, dtype=s.dtype, layout=s.layout, device=_META)
+
+
+class Propagated(NamedTuple):
+    spec: Any                    # tree spec of the output
+    leaves: tuple                # TensorMeta per tensor leaf, or ("value", v) for non-tensor leaves
+    single: bool                 # the output is one tensor (no unflattening needed)
+    sparse: bool = False         # an output is sparse: its number of elements only the data decides
+
+
+_cache: dict = {}
+stats = {"hits": 0, "misses": 0}
+
+
+def propagate(func, args: tuple, kwargs: dict, remote: list, key) -> Propagated:
+    """Run ``func`` on meta stand-ins for the ``remote`` proxies among its arguments;
+    ``key`` names ``func`` and describes the arguments' structure, metadata and values (for
+    the cache)."""
+    try:
+        hit = _cache.get(key)
+    except TypeError:  # an unhashable argument: propagate without caching
+        key, hit = None, None
+    if hit is not None:
+        stats["hits"] += 1
+        return hit
+    stats["misses"] += 1
+    out = _run_on_meta(func, args, kwargs, {id(x): x._meta for x in remote})
+    flat, out_spec = tree_flatten(out)
+    leaves = tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else ("value", x) for x in flat)
+    result = Propagated(out_spec, leaves, out_spec.is_leaf() and isinstance(out, torch.Tensor),
+                        any(type(leaf) is SparseMeta for leaf in leaves))
+    if key is not None and len(_cache) < 100_000:
+        _cache[key] = result
+    return result
+
+
+def warm_up() -> None:
+    """Run one op on the meta device: the first one imports torch._dynamo (its Python refs
+    are wrapped to disable it), ~0.8 s that the client would otherwise spend at the user's
+    first op.  ``local_mesh`` calls this while its workers boot."""
+    with torch._C.DisableTorchFunction():
+        torch.ones(2, device=_META).add(1).sum()
+
+
+def _run_on_meta(func, args, kwargs, leaf_metas):
+    def to_meta(x):
+        meta = leaf_metas.get(id(x))
+        if meta is not None:
+            return meta_tensor(meta)
+        if isinstance(x, torch.device):
+            return _META
+        if isinstance(x, torch.Tensor):  # local data shipped to the mesh (torch.tensor(...))
+            return x.to(_META)
+        return x
+
+    meta_args = tree_map(to_meta, args)
+    meta_kwargs = tree_map(to_meta, kwargs)
+    try:
+        return func(*meta_args, **meta_kwargs)
+    except NotImplementedError:
+        return _run_on_fake(func, args, kwargs, leaf_metas)
+
+
+def _run_on_fake(func, args, kwargs, leaf_metas):
+    """Fallback for ops without a meta kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def to_fake(x):
+        meta = leaf_metas.get(id(x))
+        if type(meta) is SparseMeta:
+            raise NotImplementedError("no fake sparse inputs")
+        if meta is not None:
+            return mode.from_tensor(torch.empty_strided(meta.size, meta.stride, dtype=meta.dtype))
+        return x
+
+    with mode:
+        out = func(*tree_map(to_fake, args), **tree_map(to_fake, kwargs))
+    return tree_map(lambda x: meta_tensor(tensor_meta(x)) if isinstance(x, torch.Tensor) else x, out)

@@ -1,0 +1,197 @@
+"""The client's remote tensor: a ``torch.Tensor`` wrapper subclass naming a worker value.
+
+A ``Tensor`` holds a ``RefOwner`` (the worker ref, freed on the workers when the last proxy
+holding it dies) and the ``AliasSet`` of refs that share its storage (mutating one changes
+all; borrows are tracked per storage).  Ops on it are turned into messages by
+:mod:`tdmesh.engine.dispatch`; the collective methods (``reduce``, ``to_mesh`` ...) are defined
+by :mod:`tdmesh.collectives`, which sits above this module.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+from ..errors import PlacementError, UsageError, call_site
+from .propagation import SparseMeta, TensorMeta, meta_tensor
+from .stream import Stream
+
+__all__ = ["Tensor", "RefOwner", "AliasSet", "new_proxy", "describe", "raise_in_op"]
+
+
+class RefOwner:
+    """Owns one worker ref; when the last proxy holding it dies, the ref is deleted remotely."""
+    __slots__ = ("id", "mesh", "aliases", "dropped_at", "__weakref__")
+
+    def __init__(self, ref_id: int, mesh, aliases: AliasSet) -> None:
+        self.id = ref_id
+        self.mesh = mesh
+        self.aliases = aliases
+        self.dropped_at: list | None = None
+        aliases.refs[ref_id] = weakref.ref(self)
+
+    def __del__(self) -> None:
+        try:
+            self.aliases.refs.pop(self.id, None)
+            if self.dropped_at is None:
+                self.mesh.client.delete_ref(self.id, self.mesh)
+        except Exception:  # noqa: BLE001 - a finalizer must not raise (interpreter shutdown)
+            pass
+
+
+class AliasSet:
+    """The live refs that share one worker storage: mutating any of them changes all of them.
+    Held weakly, so a proxy's death is not delayed until the cycle collector runs.  Also the
+    borrow state of that storage: read borrows of it, a mutable borrow of it, or the Borrow
+    that lent it (when these refs are the borrowed side)."""
+    __slots__ = ("refs", "read_borrows", "mutable_borrow", "borrow")
+
+    def __init__(self) -> None:
+        self.refs: dict[int, weakref.ref] = {}  # ref id -> weakref to its RefOwner (no cycle)
+        self.read_borrows = 0
+        self.mutable_borrow: Any = None
+        self.borrow: Any = None
+
+    def live(self) -> list[RefOwner]:
+        """The live RefOwners of this storage."""
+        return [r for r in (w() for w in list(self.refs.values())) if r is not None]
+
+
+class Tensor(torch.Tensor):
+    """A tensor that lives on every worker of ``mesh``; its metadata is local, its data remote."""
+
+    _r: RefOwner
+    _meta: TensorMeta | SparseMeta
+    _device: torch.device  # sparse proxies only
+    _mesh: Any
+    _stream: Stream
+    dispatch: Callable  # set by tdmesh.engine.dispatch: (func, args, kwargs) -> the op's result proxies
+
+    @staticmethod
+    def __new__(cls, meta: TensorMeta | SparseMeta, device, mesh, ref_id: int, aliases: AliasSet, stream: Stream):
+        if not isinstance(meta, SparseMeta):
+            return new_proxy(meta, device, mesh, ref_id, aliases, stream)
+        # A wrapper cannot have a compressed layout: a sparse proxy is a meta tensor of the
+        # same structure, re-typed, whose device queries come to __torch_dispatch__.
+        device = torch.device(device)
+        t = torch.Tensor._make_subclass(cls, meta_tensor(meta), False, dispatch_device=True,
+                                        device_for_backend_keys=device)
+        t._device = device
+        t._r = RefOwner(ref_id, mesh, aliases)
+        t._meta = meta
+        t._mesh = mesh
+        t._stream = stream
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return cls.dispatch(func, args, kwargs or {})
+
+    @property
+    def mesh(self):
+        return self._mesh
+
+    @property
+    def stream(self) -> Stream:
+        return self._stream
+
+    @property
+    def ref(self) -> int:
+        return self._r.id
+
+    @property
+    def aliases(self) -> AliasSet:
+        """The refs sharing this tensor's storage on the workers (views, in-place results)."""
+        return self._r.aliases
+
+    @property
+    def meta(self) -> TensorMeta | SparseMeta:
+        return self._meta
+
+    @property
+    def dropped(self) -> bool:
+        return self._r.dropped_at is not None
+
+    def drop(self) -> None:
+        """Free this tensor and every view sharing its memory on the workers, now."""
+        if self._r.dropped_at is not None:
+            return
+        site = call_site()
+        refs = self._r.aliases.live()
+        for r in refs:
+            r.dropped_at = site
+        self._mesh.client.delete_refs([r.id for r in refs], self._mesh)
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]
+        state = " dropped" if self.dropped else ""
+        on = "" if self._stream.id == 0 else f", stream={self._stream.name!r}"
+        return (f"tdmesh.Tensor(shape={list(self.shape)}, dtype={self.dtype}, device={self.device}, "
+                f"mesh={self._mesh.shape}{on}, ref={self._r.id}{state})")
+
+    def __reduce_ex__(self, protocol):
+        raise UsageError("a tdmesh.Tensor cannot be pickled: its data lives on the workers; "
+                         "fetch it with tdmesh.fetch_shard(t).result()")
+
+
+_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def new_proxy(meta: TensorMeta, device, mesh, ref_id: int, aliases: AliasSet, stream: Stream) -> Tensor:
+    """``Tensor(meta, ...)`` for dense metadata: what eager dispatch makes for every result."""
+    t = _wrapper(Tensor, meta.size, strides=meta.stride, storage_offset=meta.offset, dtype=meta.dtype, device=device,
+                 requires_grad=False)
+    t._r = RefOwner(ref_id, mesh, aliases)
+    t._meta = meta
+    t._mesh = mesh
+    t._stream = stream
+    return t
+
+
+def describe(t) -> str:
+    """A tensor as error messages name it."""
+    if isinstance(t, Tensor):
+        return f"tdmesh.Tensor(ref={t._r.id}, shape={list(t.shape)}, mesh={t._mesh.shape})"
+    return f"local tensor(shape={list(t.shape)}, device={t.device})"
+
+
+# ----------------------------------------------------------------------------- binary operators
+# torch turns a TypeError raised inside a binary operator's dispatch into NotImplemented (and
+# then a generic "unsupported operand" error): remember the real one and re-raise it.
+_last_error = threading.local()
+
+
+def raise_in_op(code: str, message: str) -> NoReturn:
+    """Raise a PlacementError from inside an op, so that binary operators re-raise it."""
+    error = PlacementError(code, message)
+    _last_error.value = error
+    raise error
+
+
+def _binary(name: str):
+    base = getattr(torch.Tensor, name)
+
+    def operator(self, other):
+        _last_error.value = None
+        out = base(self, other)
+        if out is NotImplemented:
+            error, _last_error.value = getattr(_last_error, "value", None), None
+            if error is not None:
+                raise error
+        return out
+
+    operator.__name__ = name
+    return operator
+
+
+_BINARY = [f"__{p}{n}__" for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+                                   "and", "or", "xor", "lshift", "rshift") for p in ("", "r", "i")
+           if hasattr(torch.Tensor, f"__{p}{n}__")] + ["__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"]
+for _name in _BINARY:
+    setattr(Tensor, _name, _binary(_name))
+Tensor.__hash__ = torch.Tensor.__hash__  # type: ignore[method-assign]

@@ -1,0 +1,113 @@
+"""Ops whose output metadata the client cannot derive, so the workers tell it.
+
+Either only the data decides the shapes (``nonzero``, ``x[x > 0]``, ``unique``), or torch
+has no meta kernel for the op (most sparse ops, cuDNN-only kernels).  The op runs on the
+workers, and one blocking round trip (the cost of an ``.item()``) brings back the metadata
+of its outputs.  Ops that read a tensor argument on the host (``tensor_split`` by a tensor of
+indices) get that argument's values the same way (:func:`host_values`).
+"""
+
+from __future__ import annotations
+
+from ..errors import user_line
+from ..protocol import messages as m
+from .coalescing import check_not_coalescing
+from .fetch import send_value
+from .issue import adopt, issue_unshaped
+from .propagation import SparseMeta, from_description, op_aliasing, schema_arg
+from .stream import get_active_stream
+from .tensor import Tensor, describe
+from .wire import op_path, to_wire
+
+__all__ = ["dispatch_unshaped", "data_dependent", "no_kernel", "host_values"]
+
+
+def dispatch_unshaped(func, args, kwargs, remote, mesh, device, why: str):
+    """An op whose output metadata the client cannot derive: only the data decides it
+    (``nonzero``, ``x[x > 0]``, ``unique``), or torch has no meta kernel for it (most sparse
+    ops, cuDNN-only kernels).  It runs on the workers, and one blocking round trip learns the
+    metadata of its outputs and of what it writes, which every rank of the mesh must agree on
+    (the client holds one proxy for all ranks)."""
+    check_not_coalescing(f"{func} ({why}: the client must ask the workers)")
+    aliasing = op_aliasing(func)
+    if any(is_list for _, _, is_list in aliasing.return_aliases) or not aliasing.return_aliases:
+        raise NotImplementedError(f"{func}: {why}, and tdmesh learns output metadata from the workers only for "
+                                  f"ops that return tensors, not lists; run it in a remote function"
+                                  f"\n  at {user_line()}")
+    mutated = [t for position in aliasing.mutated_args
+               for t in _tensors_in(schema_arg(func, args, kwargs, position))]
+    written = [schema_arg(func, args, kwargs, source) if is_write else None
+               for source, is_write, _ in aliasing.return_aliases]  # in place: the result is the argument
+    stream = get_active_stream()
+    path = op_path(func)
+
+    def build(seq, results, mutated_refs):
+        return m.CallFunction(seq, results, mutated_refs, path, to_wire(args), to_wire(kwargs) if kwargs else {},
+                              stream.id)
+
+    refs = issue_unshaped(mesh, build, [w is None for w in written], inputs=remote, mutated=mutated, stream=stream)
+    new_refs = [r for r in refs if r is not None]
+    asked = new_refs + [t._r.id for t in mutated]
+    try:
+        described = send_value(mesh, "tdmesh.worker.builtins.describe", ([m.Ref(r) for r in asked],), {}, None,
+                               uses=tuple(asked)).result()
+    except BaseException:
+        mesh.client.delete_refs(new_refs, mesh)
+        raise
+    shapes = list(described)  # (point, descriptions) per rank
+    first = shapes[0][1]
+    if any(v != first for _, v in shapes):
+        mesh.client.delete_refs(new_refs, mesh)
+        per_rank = "\n".join(f"  {point}: {[list(d[0]) for d in v]}" for point, v in shapes)
+        raise ValueError(f"{func}: {why}, and the ranks of {mesh.shape} disagree on its output shapes:\n"
+                         f"{per_rank}\none proxy cannot stand for different shapes; run it inside a remote "
+                         f"function, or use a fixed-size form (nonzero_static(size=...), "
+                         f"repeat_interleave(output_size=...), masked_fill instead of boolean indexing)"
+                         f"\n  at {user_line()}")
+    metas = [from_description(d) for d in first]
+    for t, meta in zip(mutated, metas[len(new_refs):]):
+        if t._meta != meta:
+            if type(meta) is not SparseMeta:
+                raise NotImplementedError(f"{func} changed the shape of a remote tensor in place, and only "
+                                          f"sparse proxies follow such a change; use its out-of-place form"
+                                          f"\n  at {user_line()}")
+            t._meta = meta
+    new = iter(adopt(mesh, new_refs, metas[:len(new_refs)], device, stream))
+    proxies = [w if w is not None else next(new) for w in written]
+    return proxies[0] if len(proxies) == 1 else tuple(proxies)
+
+
+def _tensors_in(value) -> list:
+    return [t for t in (value if isinstance(value, (list, tuple)) else (value,)) if type(t) is Tensor]
+
+
+def no_kernel(e: Exception) -> bool:
+    """Whether propagation failed because torch has no meta (or fake) kernel for the op."""
+    from torch._subclasses.fake_tensor import UnsupportedOperatorException
+    # a library op (torch.library.custom_op) that registers no fake impl says so in text
+    return isinstance(e, (NotImplementedError, UnsupportedOperatorException)) or "no fake impl" in str(e)
+
+
+def data_dependent(e: Exception) -> bool:
+    """Whether propagation failed because the output shape depends on the data."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    if isinstance(e, (DynamicOutputShapeException, DataDependentOutputException)):
+        return True
+    text = str(e)
+    return ("data is not allocated" in text or "meta tensor without output_size" in text
+            or "cannot be called on meta tensors" in text)
+
+
+
+
+def host_values(t: Tensor, op: str):
+    """The values of a remote tensor as Python numbers, for an argument torch reads on the
+    host (``tensor_split`` by a tensor of indices): fetched from every rank of its mesh,
+    which must agree (the number of outputs depends on them).  One blocking round trip."""
+    check_not_coalescing(f"{op} (it reads a tensor argument's values on the host)")
+    per_rank = list(send_value(t._mesh, "tdmesh.worker.builtins.values_of", (t,), {}, None).result())
+    if any(v != per_rank[0][1] for _, v in per_rank):
+        listed = "\n".join(f"  {point}: {v}" for point, v in per_rank)
+        raise ValueError(f"{op} reads the values of {describe(t)} on the host, and the ranks of {t._mesh.shape} "
+                         f"disagree on them:\n{listed}\nrun it inside a remote function\n  at {user_line()}")
+    return per_rank[0][1]

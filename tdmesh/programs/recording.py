@@ -1,0 +1,263 @@
+"""``@tdmesh.compile``: record a function's messages on the workers once, replay them after.
+
+A call traces the function: its messages are kept instead of sent (``tdmesh.programs.tracing``).
+What the trace becomes follows one rule: **every call gives what the function run eagerly
+would give, from the first call on** (no warm-up steps).  So:
+
+1. A trace that made nothing the program keeps (only its results) becomes a recording at
+   once: defined on each rank (in chunks) and called; every later call with the same kind
+   of inputs (tree structure, non-tensor values, tensor metadata, aliasing, mesh, stream) is
+   one ``CallRecording`` per rank, however many ops the function has.
+2. A trace that made **state** -- tensors that outlive the call without being returned:
+   ``.grad``, an optimizer's ``state``, a lazily built module, a tensor the function stored --
+   runs as the eager ops it traced, so the state exists as the program sees it; the next
+   call traces again and reads it as captures.  State made anew by every call (gradients
+   under ``zero_grad(set_to_none=True)``) settles when two traces in a row send the same
+   messages and the first one's state is gone: the recording then rewrites that state in
+   place (the same refs) at every call.
+3. A **host read** inside (``.item()``, ``bool()``, a fetch, a shape only the data decides)
+   sends what was traced and runs the rest of the call eagerly, so the read sees the
+   workers' value.
+4. A replay runs only while it would do what the function does now: every tensor it reads
+   (captures) and keeps is still held by the program, with the metadata it was traced with,
+   and every ``torch.optim`` optimizer it steps has the same settings (``lr``...).
+   Otherwise the call traces again.
+
+A function whose calls run eagerly ``EAGER_AFTER`` times in a row for one reason (host
+reads every call, state that never settles, a recording stale at every call) runs eagerly
+for good, with one warning naming why and the way out.  What a replay cannot see: other
+Python values the function reads (a global float, a branch on Python state); ``verify=True``
+traces the first reuse again and raises if the messages differ.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..engine.context import active_mesh_or_none
+from ..engine.placement import check_no_grad
+from ..engine.tensor import Tensor, raise_in_op
+from ..errors import UsageError, call_site, user_line
+from .capture import recording_mode
+from .optim import watch_optimizers
+from .replay import Recording
+from .signature import call_key, signature, tensors_key
+from .tracing import Recorder, drop_traced_borrows, forget_trace, trace_state
+
+__all__ = ["compile"]
+
+# A function whose calls run eagerly this many times for one reason (host reads, state that
+# never settles, a recording that goes stale every call) runs eagerly from then on, warning once.
+EAGER_AFTER = 4
+STALE_WAY_OUT = ("keep what it reads the same tensors with the same settings (for a learning-rate scheduler, a "
+                 "tensor lr=torch.tensor(...), which the scheduler updates in place)")
+
+
+class _Compiled:
+    def __init__(self, fn, verify: bool, backend: str, cuda_graph: bool | None) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"tdmesh.compile: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        if backend == "messages" and cuda_graph:
+            raise ValueError("tdmesh.compile: cuda_graph=True needs backend='program' (a graph captures a program)")
+        self.fn = fn
+        self.verify = verify
+        self.backend = backend
+        self.cuda_graph = cuda_graph
+        self.warned = False  # the reason a recording is not a CUDA graph is said once
+        self.last: Recording | None = None
+        self.recordings: dict = {}
+        self.traces = 0
+        self.settling: dict = {}  # key -> (signature, weakrefs to its state, optimizer settings) of its last
+        #                           trace that made state
+        self.misses: dict[str, int] = {}  # calls that ran eagerly, by why, since the last recording
+        self.eager_because: str | None = None  # set once the function runs eagerly for good
+        self.stale_run = 0  # recordings in a row that went stale before their first replay
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        key = None if kwargs else tensors_key(args)
+        if key is not None:  # the common call, f(tensor, ...): no tree walk, no per-input checks
+            rec = self.recordings.get(key)
+            if rec is not None and rec.verified and type(rec.client.sink) is not Recorder:
+                captures = rec.live()
+                if captures is not None:
+                    return rec.replay(args[0].mesh, args, captures)
+        flat, spec = tree_flatten((args, kwargs))
+        inputs = [x for x in flat if type(x) is Tensor]
+        mesh = inputs[0].mesh if inputs else active_mesh_or_none()
+        if mesh is None or mesh.client is None:
+            raise ValueError("a compiled function runs on a mesh: call it under `with mesh.activate():`")
+        client = mesh.client
+        if type(client.sink) is Recorder or self.eager_because is not None:  # inside compile, or eager for good
+            return self.fn(*args, **kwargs)
+        for t in inputs:
+            check_no_grad(t, "tdmesh.compile (it does not record autograd)")
+        if key is None:
+            key = call_key(spec, flat)
+        rec = self.recordings.get(key)
+        captures, stale = rec.check() if rec is not None else (None, None)
+        if stale is not None:  # a tensor it reads or keeps is gone or reshaped, or settings changed
+            self.stale_run = self.stale_run + 1 if rec.replays == 0 else 1
+            if self.stale_run >= EAGER_AFTER:
+                self._eager_for_good(f"its recording went stale ({stale})", STALE_WAY_OUT, depth=3)
+                return self.fn(*args, **kwargs)
+        if captures is None:
+            return self._trace_call(client, mesh, key, args, kwargs, inputs)
+        if self.verify and not rec.verified:
+            recorder, outputs, out_flat, out_spec = self._trace(client, args, kwargs)
+            again = self._settle(recorder, key, inputs, out_flat, out_spec)
+            if again is None:
+                return outputs
+            at = rec.diverges_from(again)
+            if at is not None:  # nothing of this call was sent
+                forget_trace(recorder)
+                again.release(recorded=True)
+                raise UsageError(f"tdmesh.compile failed to verify recording. Recording diverges at operation "
+                                 f"{at}: the function does not send the same operations on every call "
+                                 f"(a data- or Python-dependent branch?)\n  at {user_line()}")
+            rec.verified = True
+            rec.call(mesh, inputs, again)
+            again.release(recorded=True)
+            return outputs
+        return rec.replay(mesh, inputs, captures)
+
+    def _trace_call(self, client, mesh, key, args, kwargs, inputs):
+        """A call that traces: it becomes a recording, or runs as the eager ops it traced."""
+        recorder, outputs, out_flat, out_spec = self._trace(client, args, kwargs)
+        rec = self._settle(recorder, key, inputs, out_flat, out_spec)
+        if rec is None:
+            return outputs
+        try:
+            mode = recording_mode(self.backend, self.cuda_graph, mesh, rec, inputs, self)
+        except BaseException:  # refused (cuda_graph=True): nothing of the call was sent
+            forget_trace(recorder)
+            rec.release(recorded=True)
+            raise
+        rec.verified = not self.verify or bool(rec.kept_refs)  # state settles only after two equal traces
+        self.recordings[key] = rec
+        rec.mode = mode
+        self.last = rec
+        rec.define(client, mode)
+        rec.call(mesh, inputs)
+        rec.release(recorded=True)
+        return outputs
+
+    def _settle(self, recorder: Recorder, key, inputs, out_flat, out_spec) -> Recording | None:
+        """What a finished trace becomes: a recording (returned, not yet released), or None when
+        the call has run as eager ops (sent here) -- see the module docstring for the rules."""
+        if recorder.host_read is not None:  # sent already, from the read on
+            if self.cuda_graph:
+                raise UsageError(f"tdmesh.compile(cuda_graph=True): {getattr(self.fn, '__name__', 'the function')} "
+                                 f"reads a value on the host ({recorder.host_read}), which a CUDA graph cannot "
+                                 f"capture (this call ran eagerly); read it after the call, or use cuda_graph=None "
+                                 f"to let such calls run eagerly\n  at {user_line()}")
+            self._eager_call(f"it reads a value on the host ({recorder.host_read})", "host_reads",
+                             "fetch after the call, or for torch.optim pass fused=True (or capturable=True on CUDA), "
+                             "which read nothing on the host")
+            return None
+        state = trace_state(recorder, out_flat)
+        if state.why_eager is None:
+            previous = self.settling.get(key)
+            sig = signature(recorder.messages, state.kept_refs) if state.kept else None
+            settings = [(type(opt).__name__, s) for opt, s in recorder.optimizers.values()]
+            if state.kept and (previous is None or previous[0] != sig or any(w() is not None for w in previous[1])):
+                state.why_eager = "it made new state that later calls read"
+                if previous is not None and previous[2] != settings:
+                    state.why_eager = f"the settings of {settings[0][0] if settings else 'an optimizer'} changed"
+                    state.way_out = STALE_WAY_OUT
+                self.settling[key] = (sig, [weakref.ref(r) for r in state.kept], settings)
+        if state.why_eager is not None:
+            recorder.send_eagerly()
+            self._eager_call(state.why_eager, "settle_misses", state.way_out)
+            return None
+        self.settling.pop(key, None)
+        self.misses.clear()
+        rec = Recording(recorder, inputs, out_flat, out_spec, state)
+        site = call_site()
+        keep = {o._r.id for o in out_flat if type(o) is Tensor} | set(state.kept_refs)
+        for ref in recorder.created:  # made inside, not returned, not kept: gone (a temporary)
+            r = ref()
+            if r is not None and r.id not in keep and r.id in rec.defined:
+                r.dropped_at = site
+        return rec
+
+    def _eager_call(self, why: str, kind: str, way_out: str) -> None:
+        """This call ran eagerly; after ``EAGER_AFTER`` such calls the function runs eagerly
+        for good."""
+        self.misses[kind] = self.misses.get(kind, 0) + 1
+        if self.misses[kind] >= EAGER_AFTER:
+            self._eager_for_good(why, way_out, depth=6)
+
+    def _eager_for_good(self, why: str, way_out: str, depth: int) -> None:
+        """Run eagerly from now on, with one warning (at the user's call: ``depth`` frames up)
+        naming why and the way out."""
+        self.eager_because = why
+        name = getattr(self.fn, "__name__", "the function")
+        warnings.warn(f"tdmesh.compile: {name} runs eagerly from now on: {why}, on each of {EAGER_AFTER} "
+                      f"calls in a row; {way_out}", stacklevel=depth)
+
+    @property
+    def recording_id(self) -> int | None:
+        """The workers' id of the latest trace's recording (``tdmesh.worker.builtins.recording_modes``
+        says, per id, how a worker runs it)."""
+        return self.last.id if self.last is not None else None
+
+    @property
+    def mode(self) -> str | None:
+        """How the client asked the workers to run the latest trace: "cuda_graph" (or
+        "cuda_graph_required"), "program" or "messages"."""
+        return self.last.mode if self.last is not None else None
+
+    def _trace(self, client, args, kwargs) -> tuple[Recorder, object, list, object]:
+        recorder = client.sink = Recorder(client)
+        hooks = watch_optimizers(recorder)
+        try:
+            try:
+                outputs = self.fn(*args, **kwargs)
+            finally:
+                hooks.remove()
+            if recorder.host_read is None and drop_traced_borrows(recorder):
+                raise UsageError(f"all borrows created within a compiled function must be dropped within it "
+                                 f"(call borrow.drop() before it returns)\n  at {user_line()}")
+            self.traces += 1
+            out_flat, out_spec = tree_flatten(outputs)
+            for o in out_flat:
+                if isinstance(o, torch.Tensor) and type(o) is not Tensor:
+                    raise TypeError(f"a compiled function returns tdmesh tensors, got a local {type(o).__name__}")
+                if type(o) is Tensor and o.requires_grad:
+                    raise_in_op("REQUIRES_GRAD", f"a compiled function cannot return tensor {o.ref}, which "
+                                                 f"requires grad")
+        except BaseException:
+            if recorder.host_read is None:  # nothing was sent
+                forget_trace(recorder)
+            recorder.release(recorded=True)
+            raise
+        recorder.finished = True  # from here every free waits until the outcome is queued
+        if client.sink is recorder:
+            client.sink = client
+        return recorder, outputs, out_flat, out_spec
+
+
+BACKENDS = ("program", "messages", "inductor")
+
+
+def compile(fn=None, *, verify: bool = False, backend: str = "program", cuda_graph: bool | None = None):
+    """Compile ``fn`` into a worker-side recording: ``@tdmesh.compile`` or ``@tdmesh.compile(verify=True)``.
+
+    ``backend="program"`` (the default) runs each call on a worker as one generated function
+    wherever the recording allows it (see ``tdmesh.worker.programs``); ``"messages"`` replays
+    it message by message, as before programs existed (for comparison and debugging);
+    ``"inductor"`` compiles each worker's program with ``torch.compile`` (fused kernels; its
+    first call compiles, collectives run between the compiled graphs, and an error fails the
+    whole call).
+    ``cuda_graph``: on a CUDA mesh, None (the default) captures the program as a CUDA graph at
+    its second call where the recording qualifies (``tdmesh.programs.capture`` says when) and warns
+    once where it does not; True raises instead; False never captures."""
+    if fn is None:
+        return lambda f: _Compiled(f, verify, backend, cuda_graph)
+    return _Compiled(fn, verify, backend, cuda_graph)

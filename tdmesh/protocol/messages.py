@@ -1,0 +1,399 @@
+"""The whole wire protocol: one typed record per message.
+
+Client -> worker messages carry ``Ref`` placeholders where tensors go; worker -> client
+messages report values, root failures and progress.  Records are NamedTuples because
+they pickle small and fast, and the hot path pickles one per op.  ``REF_FIELDS`` says, in
+one table, which fields of each message hold refs: renaming a recording on the worker, the
+refs a recording defines and the client's recording signatures all read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+from ..geometry.slice import Slice
+
+
+class Ref(NamedTuple):
+    """A worker-side value named by the client's integer ref id."""
+    id: int
+
+
+# --------------------------------------------------------------------- client -> worker
+class CallFunction(NamedTuple):
+    """Run ``function(*args, **kwargs)``; bind flattened results to ``results``
+    (``None`` slots are dropped); on failure poison ``results`` and ``mutates``."""
+    seq: int
+    results: tuple[int | None, ...]
+    mutates: tuple[int, ...]
+    function: str | bytes     # an import path, or a pickled callable
+    args: tuple | bytes       # aten ops: Refs among plain values; user functions: sealed (pickled) with kwargs
+    kwargs: dict
+    stream: int = 0
+    process_groups: tuple[ProcessGroupArg, ...] = ()  # created, in order, before it runs
+
+
+class Slot(NamedTuple):
+    """In a DefineOp template: where the ref at ``position`` of each CallOp's refs goes."""
+    position: int
+
+
+class DefineOp(NamedTuple):
+    """Sent to every rank once per op plan (an aten op and its argument metadata): ``op``
+    is the client's number for ``function(*args, **kwargs)``, where ``Slot``s mark the
+    tensors.  The worker turns it into straight-line code once; CallOps then name it."""
+    op: int
+    function: str             # an import path (aten or library op)
+    args: tuple
+    kwargs: dict
+
+
+class CallOp(NamedTuple):
+    """Run defined op ``op`` with ``refs`` in its slots; bind and poison as CallFunction.
+    The hot message of eager dispatch, so it travels as a bare tuple of ints (pickling a
+    NamedTuple costs ~1.3 us more, a fifth of an op's budget): the worker's ``handle`` takes
+    a plain tuple of this length as a CallOp, and recordings hold it as this record."""
+    seq: int
+    op: int
+    results: tuple[int | None, ...]
+    mutates: tuple[int, ...]
+    refs: tuple[int, ...]
+    stream: int = 0
+
+
+class SendValue(NamedTuple):
+    """Send ``function(*args, **kwargs)`` (or ``args[0]`` with no function) back as a FetchResult."""
+    seq: int
+    mutates: tuple[int, ...]
+    function: str | bytes | None
+    args: tuple | bytes
+    kwargs: dict
+    stream: int = 0
+    process_groups: tuple[ProcessGroupArg, ...] = ()
+
+
+class Reduce(NamedTuple):
+    """A collective over ``dims`` of ``mesh`` on ``stream``; a poisoned input joins with zeros."""
+    seq: int
+    result: Optional[int]     # the output ref, or None when the output is ``out``/the input itself
+    tensor: int
+    factory: tuple[tuple[int, ...], str]  # (shape, dtype name) of the input, for zeros when it is poisoned
+    group: int                # the CreateGroups id of (stream, mesh, dims): ints pickle fast
+    reduction: str            # sum avg product min max band bor bxor stack
+    scatter: bool
+    inplace: bool
+    out: Optional[int]
+    stream: int = 0
+
+
+class ReduceMany(NamedTuple):
+    """In-place reduce of several tensors over one group: one collective per dtype bucket
+    (as DDP buckets gradients), each rank's tensors flattened in this order."""
+    seq: int
+    tensors: tuple[int, ...]  # refs, reduced in place
+    factories: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype name) per tensor, for zeros where poisoned
+    group: int
+    reduction: str            # sum avg product min max band bor bxor
+    stream: int = 0
+
+
+class SendTensor(NamedTuple):
+    """``to_mesh``: ``from_ranks[i]`` sends ``tensor`` to ``to_ranks[i]``, which binds ``result``;
+    the ranks of ``zeros_on`` that receive nothing bind zeros (a gradient into a sliced tensor)."""
+    seq: int
+    result: int
+    from_ranks: Slice
+    to_ranks: Slice
+    tensor: int
+    factory: tuple[tuple[int, ...], str]
+    from_stream: int
+    to_stream: int
+    zeros_on: Optional[Slice] = None
+
+
+class CreateGroups(NamedTuple):
+    """Sent to every rank, once per key: create the process groups that ``key`` needs.
+
+    ``new_group`` is collective over the world, so every rank creates every group of the key
+    (``grouping.all_groups``) in the client's one order, members or not.  Kind "dims": the
+    groups over ``dims`` of ``mesh`` for ``stream``; "remote": the same, for the user-visible
+    group ``ref``; "p2p": one group of all ranks for ``to_mesh`` from ``stream`` to ``to_stream``."""
+    kind: str
+    stream: int
+    mesh: Any = None
+    dims: tuple = ()
+    ref: Optional[int] = None
+    to_stream: Optional[int] = None
+    id: int = 0               # the client's number for this key; hot messages name groups by it
+
+
+class DropGroups(NamedTuple):
+    """Sent to every rank: destroy the process groups of the user-visible group ``ref``
+    (``RemoteProcessGroup.drop``), on each stream that has them, after the work queued there."""
+    ref: int
+
+
+MAX_COMMANDS_PER_CHUNK = 1000  # messages of one DefineRecording: a recording of many ops travels in chunks
+
+
+class DefineRecording(NamedTuple):
+    """One chunk (``chunk`` of ``total``) of a compiled function's messages for these ranks.
+    ``formals`` and ``results`` are the refs the recorded messages use for the inputs and
+    outputs; every other ref they define is a temporary of one call."""
+    recording: int
+    commands: tuple
+    formals: tuple[int, ...]
+    results: tuple[int, ...]
+    chunk: int
+    total: int
+    mode: str = "program"  # "messages" | "program" | "inductor", "[inductor+]cuda_graph[_required]": programs.capture
+
+
+class CallRecording(NamedTuple):
+    """Replay ``recording`` with ``actuals`` for its formals, binding ``results`` (a bare tuple, as CallOp)."""
+    seq: int
+    recording: int
+    actuals: tuple[int, ...]
+    results: tuple[int, ...]
+
+
+class BorrowCreate(NamedTuple):
+    """On ``from_stream``: lend ``tensor`` to ``to_stream`` as ``result`` (after the work so far)."""
+    result: int
+    borrow: int
+    tensor: int
+    from_stream: int
+    to_stream: int
+
+
+class BorrowFirstUse(NamedTuple):
+    """On the borrowing stream: wait for the lender, then bind the borrowed value."""
+    borrow: int
+
+
+class BorrowLastUse(NamedTuple):
+    """On the borrowing stream: unbind the value and hand it back."""
+    borrow: int
+
+
+class BorrowDrop(NamedTuple):
+    """On the lending stream: wait until the borrower is done, then forget the borrow."""
+    borrow: int
+
+
+class DeleteRefs(NamedTuple):
+    """Forget these refs (on every stream of the worker)."""
+    refs: tuple[int, ...]
+
+
+class RequestStatus(NamedTuple):
+    """Answer ``Status(seq + 1)`` once everything sent before this has run."""
+    seq: int
+
+
+class DebuggerInput(NamedTuple):
+    """A line the user typed for the rank whose pdb session has the client's terminal."""
+    line: str                 # with its newline; "" is end of input (pdb quits)
+
+
+class Supervise(NamedTuple):
+    """Start sending Heartbeats every ``heartbeat_interval`` seconds."""
+    heartbeat_interval: float
+
+
+class Detach(NamedTuple):
+    """Attach mode: this client is done; forget its state and wait for the next client."""
+
+
+class Exit(NamedTuple):
+    """Leave the message loop; ``error`` is why the client is shutting the fleet down."""
+    error: Optional[str] = None
+
+
+# --------------------------------------------------------------------- worker -> client
+class Hello(NamedTuple):
+    """A worker's answer to the listener's Challenge: who it is, proven with the job token
+    (``proof``: an HMAC of both nonces and its rank and pid, see tdmesh.protocol.handshake)."""
+    rank: int
+    nonce: bytes
+    proof: str
+    hostname: str
+    pid: int
+    device: str               # "cpu" or "cuda:N"
+    log: Optional[str]
+
+
+class Heartbeat(NamedTuple):
+    """A worker is alive (sent from a thread of its own, whatever its streams are doing)."""
+    rank: int
+
+
+class FetchResult(NamedTuple):
+    seq: int
+    value: Any                # pickled bytes of the value, or None when ``error`` is set
+    error: Any = None         # a DependentError when the value depends on a failure
+    rank: int = -1            # the rank that sent it (relays forward it unchanged)
+
+
+class RemoteFunctionFailed(NamedTuple):
+    """A root failure: reported once, by the rank where it happened."""
+    seq: int
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str
+
+
+class WorkerFailed(NamedTuple):
+    """This worker is broken and leaves after sending this: ``function`` (op ``seq``) hit an
+    error that leaves the device unusable (a sticky CUDA error: device-side assert, illegal
+    address), so every later op would fail the same way."""
+    seq: int
+    rank: int
+    function: str
+    exc_type: str
+    message: str
+    traceback: str
+
+
+class Status(NamedTuple):
+    """Every seq below ``first_uncompleted`` has run on ``rank`` (a relay's: on all its ranks, named by the first)."""
+    rank: int
+    first_uncompleted: int
+
+
+class DebuggerRead(NamedTuple):
+    """``rank`` is stopped in pdb (``breakpoint()`` in a remote function): print ``output``
+    (what pdb printed, ending in its prompt) and send it the user's next line."""
+    rank: int
+    output: str
+
+
+class DebuggerDone(NamedTuple):
+    """``rank``'s pdb session gave the terminal back (continue, quit, or its remote function
+    returned): print ``output``; another rank's session may start."""
+    rank: int
+    output: str
+
+
+# --------------------------------------------------------------------- relays
+class RelayHello(NamedTuple):
+    """A host's relay to its parent, once ranks ``range(first, end)`` (``hellos``) are connected to it."""
+    host: int
+    first: int
+    end: int
+    nonce: bytes
+    proof: str
+    hellos: tuple
+
+
+# --------------------------------------------------------------------- handshake (tdmesh.protocol.handshake)
+class Challenge(NamedTuple):
+    """Listener -> connecting side, the first frame: a fresh nonce to prove the token against."""
+    nonce: bytes
+
+
+class Welcome(NamedTuple):
+    """Listener -> an authenticated peer: its own proof of the token (both nonces)."""
+    proof: str
+
+
+class RelayConfig(NamedTuple):
+    """Client -> relays (a control frame): heartbeat period, and silence that makes a rank lost."""
+    heartbeat_interval: float
+    heartbeat_timeout: float
+
+
+class RanksLost(NamedTuple):  # relay -> client: these ranks' connections closed, or they went silent
+    ranks: tuple
+    why: str
+
+
+class DependentError(NamedTuple):
+    """Marks a worker value that could not be computed because ``seq`` failed."""
+    seq: int
+
+
+CLIENT_TO_WORKER = (CallFunction, DefineOp, CallOp, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups,
+                    DropGroups, DefineRecording, CallRecording, BorrowCreate, BorrowFirstUse, BorrowLastUse, BorrowDrop,
+                    DeleteRefs, RequestStatus, DebuggerInput, Supervise, Detach, Exit)
+WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status, DebuggerRead,
+                    DebuggerDone, RelayHello, RanksLost)
+RELAY_CONTROL = (RelayConfig,)
+HANDSHAKE = (Challenge, Welcome)
+
+# Which fields of a client->worker message hold refs, and how:
+#   "def"   one ref the message defines (None: it defines none)   "defs"  a tuple of them (None slots allowed)
+#   "use"   one ref it reads or writes (None allowed)              "uses"  a tuple of them
+#   "args"  Ref placeholders anywhere inside (sealed bytes: inside the pickle)
+#   "borrow" a borrow id (named like a ref, renamed with the borrows of a recording)
+# The seq (first field, where there is one) is the op's own.  Messages not listed hold no refs.
+REF_FIELDS: dict[Any, dict[str, str]] = {  # NamedTuple message class -> {field: kind}
+    CallFunction: {"results": "defs", "mutates": "uses", "args": "args", "kwargs": "args"},
+    CallOp: {"results": "defs", "mutates": "uses", "refs": "uses"},
+    SendValue: {"mutates": "uses", "args": "args", "kwargs": "args"},
+    Reduce: {"result": "def", "tensor": "use", "out": "use"},
+    ReduceMany: {"tensors": "uses"},
+    SendTensor: {"result": "def", "tensor": "use"},
+    CallRecording: {"actuals": "uses", "results": "defs"},
+    DefineRecording: {"formals": "uses", "results": "defs"},  # the recording's own names for its inputs and outputs
+    BorrowCreate: {"result": "def", "borrow": "borrow", "tensor": "use"},
+    BorrowFirstUse: {"borrow": "borrow"},
+    BorrowLastUse: {"borrow": "borrow"},
+    BorrowDrop: {"borrow": "borrow"},
+    DeleteRefs: {"refs": "uses"},
+}
+
+
+class MeshArg(NamedTuple):
+    """A ``DeviceMesh`` argument; the worker substitutes its own view of that mesh."""
+    shape: Any
+
+
+class TorchMeshArg(NamedTuple):
+    """``mesh.torch_mesh()``: the worker substitutes a ``torch.distributed.device_mesh.DeviceMesh``
+    with the same dims, over the per-dim groups of the calling stream (DTensor, FSDP2)."""
+    mesh: Any
+
+
+class ProcessGroupArg(NamedTuple):
+    """A ``RemoteProcessGroup`` argument; the worker substitutes a real ProcessGroup over
+    ``dims`` of ``mesh`` for the calling stream (one group per ref and stream)."""
+    ref: int
+    mesh: Any
+    dims: tuple
+
+
+class PackedTensor(NamedTuple):  # a dense CPU tensor as raw bytes: pickles ~10x faster than a tensor
+    dtype: str
+    shape: tuple
+    data: Any  # a PickleBuffer where packed (codec.pack_tensor; protocol 5); a bytearray or a bulk frame's view
+
+
+class TorchGlobal(NamedTuple):
+    """A torch module attribute by name (``torch.preserve_format``): pickle finds a
+    ``torch.memory_format``'s module by scanning every loaded module (~0.1 ms a value, and
+    many ops carry one); this travels as a name and is looked up on arrival."""
+    name: str
+
+    def __reduce__(self):
+        return torch_global, (self.name,)
+
+
+def torch_global(name: str):
+    import torch
+    return getattr(torch, name)
+
+
+class DeviceName(NamedTuple):
+    """A ``torch.device`` as its name: its own pickle (a reduce through ``torch.device``)
+    costs several microseconds an op."""
+    name: str
+
+    def __reduce__(self):
+        return torch_device, (self.name,)
+
+
+def torch_device(name: str):
+    import torch
+    return torch.device(name)
