@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
+import tempfile
 
 import torch
 
@@ -89,18 +93,47 @@ def profile_start(record_shapes: bool = False) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         activities.append(ProfilerActivity.CUDA)
     _profiler = profile(activities=activities, record_shapes=record_shapes)
-    _profiler.__enter__()
+    with _kineto_notices_dropped():
+        _profiler.__enter__()
+
+
+# What kineto writes to stderr when a profile starts and stops on a thread other than the
+# one that loaded it (the worker's stream threads): "ERROR: External init callback must run in
+# same thread as registerClient", and a "USDT: ... profiler_start/stop" line.  Neither is an
+# error of the profile (its trace is whole), and a user reads "ERROR".
+_KINETO_NOTICES = (b"External init callback must run in same thread as registerClient",
+                   b"SyncActivityProfilerHandler.cpp")
+
+
+@contextlib.contextmanager
+def _kineto_notices_dropped():
+    """Run the block with this process's stderr (fd 2) captured, then write back every line
+    but kineto's notices: what other threads wrote meanwhile arrives, a moment later."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [ln for ln in captured.read().splitlines(keepends=True)
+                    if not any(n in ln for n in _KINETO_NOTICES)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def profile_stop(directory: str, rank: int) -> torch.Tensor:
     """Stop the profiler and write this rank's Chrome/Perfetto trace (``rank<r>.trace.json``
     in ``directory``); returns a remote 1, which the client sums to know every rank is done."""
     global _profiler
-    import os
     if _profiler is None:
         raise RuntimeError("profile_stop without profile_start on this worker")
     prof, _profiler = _profiler, None
-    prof.__exit__(None, None, None)
+    with _kineto_notices_dropped():
+        prof.__exit__(None, None, None)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"rank{rank}.trace.json")
     prof.export_chrome_trace(path)

@@ -57,3 +57,24 @@ def test_show_draws_a_value_on_every_rank(mesh2x2):
 def test_mesh_repr_and_table_show_the_rank_grid(mesh2x2):
     assert repr(mesh2x2) == "<DeviceMesh {host=2, gpu=2} ranks 0..3>"
     assert str(mesh2x2).splitlines()[1:] == ["       | gpu: 0 1", "host=0 |      0 1", "host=1 |      2 3"]
+
+
+def worker_writes_to_stderr(text):
+    os.write(2, text.encode())
+
+
+def test_a_profile_prints_no_kineto_error_and_keeps_what_others_write(tmp_path):
+    """kineto writes "ERROR: External init callback ..." when a profile starts on a thread that
+    did not load it (a worker's stream thread): not an error of the profile, and dropped.
+    Whatever else the worker writes to stderr meanwhile still reaches its log."""
+    logs = tmp_path / "logs"
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, logging=tdmesh.LoggingLocation.FILE, log_dir=str(logs),
+                           pool=False) as mesh, mesh.activate():
+        with tdmesh.profile(str(tmp_path / "traces")):
+            x = torch.randn(8, 8) @ torch.randn(8, 8)
+            tdmesh.remote(worker_writes_to_stderr, propagate="inspect")("a line of the worker's own\n")
+            tdmesh.fetch_shard(x).result()
+    err = "".join(open(os.path.join(d, f)).read() for d, _, fs in os.walk(logs) for f in fs if f == "stderr.log")
+    assert "a line of the worker's own" in err
+    assert "External init callback" not in err and "ERROR" not in err
+    assert os.listdir(tmp_path / "traces") == ["rank0.trace.json"]
