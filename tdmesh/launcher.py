@@ -228,7 +228,7 @@ def local_meshes(meshes: int = 2, hosts_per_mesh: int = 1, gpus_per_host: int | 
     except BaseException as e:
         for f in fleets:
             with contextlib.suppress(Exception):
-                f.exit(f"the client raised {type(e).__name__}: {e}")
+                f.exit(f"the client raised {type(e).__name__}: {e}", client_raised=True)
         raise
     errors = []
     for f in fleets:

@@ -252,6 +252,7 @@ class Fleet:
         self.log_files = log_files or {}
         self.exited = False
         self.clean_exit = True
+        self.quiet = False  # exit(client_raised=True): the workers leave without elastic's log lines
 
     def drain(self, timeout: float = 60.0) -> None:
         """Wait until every op sent so far has run, so every remote error is known."""
@@ -264,13 +265,18 @@ class Fleet:
             client.request_status(client.last_seq)
         client.pump(timeout, until=lambda: not len(client.history) or client.failure is not None)
 
-    def exit(self, error: str | None = None, detach: bool = False) -> None:
+    def exit(self, error: str | None = None, detach: bool = False, client_raised: bool = False) -> None:
         """Stop the fleet (``detach``: release an attached fleet for the next client instead).
 
         After an error (the client raised, Ctrl-C) nobody waits long: workers get a few
-        seconds to leave before the launcher stops them."""
+        seconds to leave before the launcher stops them.  Where the client's own code raised
+        (``client_raised``), the workers leave quietly: their exit follows from the user's
+        error, whose traceback is the one to read, so torch elastic's lines about stopping
+        them ("Sending process N closing signal SIGTERM", "failed (exitcode: 1)") are not
+        printed."""
         if self.exited:
             return
+        self.quiet = client_raised
         self.clean_exit = error is None
         self.exited = True
         client = self.client
@@ -320,6 +326,10 @@ class Fleet:
 
     def _wait_for_processes(self, seconds: float) -> None:
         """Give workers ``seconds`` to exit on their own; then the launcher stops them."""
+        elastic = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+        level = elastic.level
+        if self.quiet:
+            elastic.setLevel(logging.CRITICAL)
         try:
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
@@ -327,5 +337,8 @@ class Fleet:
                 if result is not None:
                     break
         finally:
-            self.processes.close(timeout=30 if self.clean_exit else 5)
-            self.processes = None
+            try:
+                self.processes.close(timeout=30 if self.clean_exit else 5)
+            finally:
+                self.processes = None
+                elastic.setLevel(level)

@@ -518,3 +518,24 @@ def test_worker_processes_can_be_polled_from_several_threads_at_once(tmp_path):
         t.join(timeout=30)
     processes.close()
     assert not errors and len(results) == 4 and not results[0].is_failed()
+
+
+USER_ERROR_SCRIPT = """
+import torch, tdmesh
+with tdmesh.local_mesh(hosts=1, gpus_per_host=2, pool=False) as mesh, mesh.activate():
+    x = torch.ones(2) + 1
+    raise ValueError("the user's own error")
+"""
+
+
+def test_a_users_exception_inside_local_mesh_prints_only_its_traceback(tmp_path):
+    """The workers of a client that raised leave quietly: torch elastic's lines about stopping
+    them read as if they had crashed; the user's traceback and exit code are what remain."""
+    script = tmp_path / "user_error.py"
+    script.write_text(USER_ERROR_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, TDMESH_DEVICE="cpu"))
+    assert out.returncode == 1
+    assert out.stderr.rstrip().endswith("ValueError: the user's own error"), out.stderr
+    assert "closing signal" not in out.stderr and "exitcode" not in out.stderr, out.stderr
+    assert "Traceback" in out.stderr and out.stderr.count("Traceback") == 1, out.stderr
