@@ -130,29 +130,12 @@ def inductor_cache_counts() -> tuple[int, int]:
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="inductor's CPU kernels need a C++ compiler")
-def test_the_ranks_of_a_host_compile_an_inductor_program_once(tmp_path, monkeypatch):
-    """Two ranks of one host, one recording, an empty inductor cache: one rank compiles (a
-    cache miss) while the other waits on the host lock and loads what it compiled (a hit);
-    without the lock both compile at once (two misses)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    with tdmesh.local_mesh(hosts=1, gpus_per_host=2, pool=False) as mesh, mesh.activate():
-        fn = tdmesh.compile(lambda x: (x * 3 + 1).sin().sum(0), backend="inductor")
-        out = fn(torch.ones(4, 4) * mesh.rank("gpu"))
-        got = tdmesh.fetch_all(out).result()
-        counts = tdmesh.remote(inductor_cache_counts).call().result()
-    for point, value in got:
-        assert torch.allclose(value, (torch.ones(4, 4) * point["gpu"] * 3 + 1).sin().sum(0))
-    misses = sum(c[0] for _, c in counts)
-    hits = sum(c[1] for _, c in counts)
-    assert (misses, hits) == (1, 1), list(counts)
-
-
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="inductor's CPU kernels need a C++ compiler")
-def test_a_collective_between_compiled_graphs_does_not_hold_the_host_lock(tmp_path, monkeypatch):
-    """A reduce between two compiled graphs, 2 ranks, an empty cache: the rank that compiles
-    first lets the host lock go while it waits in the collective, so the other rank reaches
-    it (holding it there hung both ranks); each graph is still compiled by one rank only."""
+def test_the_ranks_of_a_host_compile_each_inductor_graph_once_and_meet_in_collectives(tmp_path, monkeypatch):
+    """Two ranks of one host, a reduce between two compiled graphs, an empty inductor cache:
+    each graph is compiled by one rank (a cache miss) while the other waits on the host lock
+    and loads it (a hit), so 2 misses and 2 hits.  The rank that compiles first lets the lock
+    go while it waits in the collective, so the other rank reaches it (holding it there hung
+    both ranks)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     with tdmesh.local_mesh(hosts=1, gpus_per_host=2, pool=False) as mesh, mesh.activate():
         @tdmesh.compile(backend="inductor")
