@@ -8,10 +8,18 @@ import tdmesh
 from tdmesh.config import cpu_forced, env_str
 
 
+# The files whose tests take minutes (hypothesis-drawn training programs, torch's OpInfo
+# database, inductor compiles from an empty cache): collected first, so that pytest-xdist's
+# two processes (pytest.ini: --dist loadfile hands out whole files in collection order) start
+# them first and the many short files fill in beside them, instead of one long file last.
+LONG_FILES = ("test_compile_differential.py", "test_opinfo.py", "test_programs.py")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config, items):
     """Each test's tier is its folder (``-m unit``, ``-m fleet``, ``-m gpu`` select one);
-    GPU tests are skipped without CUDA."""
+    GPU tests are skipped without CUDA; the long files come first (``LONG_FILES``)."""
+    items.sort(key=lambda item: os.path.basename(str(item.path)) not in LONG_FILES)  # stable: else in order
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         tier = os.path.basename(os.path.dirname(str(item.path)))

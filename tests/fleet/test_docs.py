@@ -74,16 +74,33 @@ def commands(code: str) -> list[tuple[dict, list[str], str]]:
 SHELL_COMMANDS = [(page, line, *c) for page, line, _, code in SHELL for c in commands(code)]
 
 
+@pytest.fixture(scope="module")
+def collections():
+    """Every page's ``python -m pytest`` command, collected at once (each collects the whole
+    suite, ~10 s): the command's argv -> its running collection."""
+    started = {}
+    for _, _, env, argv, _ in SHELL_COMMANDS:
+        if argv[:3] == ["python", "-m", "pytest"] and tuple(argv) not in started:
+            started[tuple(argv)] = subprocess.Popen(
+                [sys.executable, "-m", "pytest", "--collect-only", "-p", "no:cacheprovider", *argv[3:]],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=dict(CPU, **env))
+    yield started
+    for proc in started.values():
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("page,line,env,argv,comment", SHELL_COMMANDS,
                          ids=[f"{c[0]}:{c[1]}:{' '.join(c[3])[:40]}" for c in SHELL_COMMANDS])
-def test_shell_command_does_what_it_says(page, line, env, argv, comment, tmp_path):
+def test_shell_command_does_what_it_says(page, line, env, argv, comment, tmp_path, collections):
     where = f"{page}:{line}: {' '.join(argv)}"
     if argv[:3] == ["python", "-m", "pytest"]:
-        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-p", "no:cacheprovider",
-                              *argv[3:]], capture_output=True, text=True, timeout=300, cwd=REPO,
-                             env=dict(CPU, **env))
-        assert out.returncode == 0, f"{where}\n{out.stdout[-2000:]}"
-        assert re.search(r"^[1-9]\d*(/\d+)? tests? collected", out.stdout, re.M), f"{where}\n{out.stdout[-2000:]}"
+        proc = collections[tuple(argv)]
+        if not hasattr(proc, "output"):  # the same command on two pages is collected once
+            proc.output = proc.communicate(timeout=300)[0]
+        stdout = proc.output
+        assert proc.returncode == 0, f"{where}\n{stdout[-2000:]}"
+        assert re.search(r"^[1-9]\d*(/\d+)? tests? collected", stdout, re.M), f"{where}\n{stdout[-2000:]}"
     elif argv[0] == "torchrun":
         assert "-m" in argv and argv[argv.index("-m") + 1] == "tdmesh.worker", where
         script = tmp_path / argv[argv.index("-m") + 2]
