@@ -75,7 +75,7 @@ def tdmesh_compile(args, cfg, tokens, workers: int) -> tuple[list[float], str]:
     import torch
 
     import tdmesh
-    from bench.helpers import train_optimizer
+    from bench.helpers import data_parallel_step, train_optimizer
 
     from nanogpt import GPT
     train = __import__("runpy").run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
@@ -88,16 +88,8 @@ def tdmesh_compile(args, cfg, tokens, workers: int) -> tuple[list[float], str]:
         tdmesh.random.set_manual_seed_remote(0)
         model = GPT(cfg)
         opt = train_optimizer(model.parameters(), mesh.device_type == "cuda")
-
-        @tdmesh.compile(backend="inductor", cuda_graph=False)
-        def step(x, y):
-            with torch.autocast(mesh.device_type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-                loss = model(x, y)
-            opt.zero_grad()
-            loss.backward()
-            tdmesh.reduce_([p.grad for p in model.parameters()], mesh.names, "avg")
-            opt.step()
-            return loss.detach()
+        step = tdmesh.compile(data_parallel_step(model, opt, mesh, args.dtype == "bf16"), backend="inductor",
+                              cuda_graph=False)
 
         calls = []
         for i in range(SETUP_STEPS):

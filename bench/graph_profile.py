@@ -50,7 +50,7 @@ def main() -> None:
     import torch
 
     import tdmesh
-    from bench.helpers import train_optimizer
+    from bench.helpers import data_parallel_step, train_optimizer
 
     from nanogpt import GPT, sized
     train = runpy.run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
@@ -64,16 +64,7 @@ def main() -> None:
             tdmesh.random.set_manual_seed_remote(0)
             model = GPT(cfg)
             opt = train_optimizer(model.parameters(), True)
-
-            def step(x, y):
-                loss = model(x, y)  # noqa: B023 - each variant's own model
-                opt.zero_grad(set_to_none=not keep)  # noqa: B023 - each variant's own step
-                loss.backward()
-                tdmesh.reduce_([p.grad for p in model.parameters()], mesh.names, "avg")  # noqa: B023
-                opt.step()  # noqa: B023
-                return loss.detach()
-
-            fn = tdmesh.compile(step, cuda_graph=True)
+            fn = tdmesh.compile(data_parallel_step(model, opt, mesh, set_to_none=not keep), cuda_graph=True)
             xs = [batch(data, 8, cfg.block_size, rank, i) for i in range(35 + PROFILED)]
             for x, y in xs[:5]:
                 loss = fn(x, y)

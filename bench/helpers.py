@@ -273,3 +273,22 @@ def train_optimizer(params, cuda: bool):
     if cuda:
         return torch.optim.AdamW(params, lr=3e-3, fused=True)
     return torch.optim.SGD(params, lr=0.3, momentum=0.9, foreach=True)
+
+
+def data_parallel_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = True):
+    """The benches' training step, as a user writes it: forward (under bf16 autocast if asked),
+    ``opt.zero_grad(set_to_none=...)``, backward, one bucketed ``reduce_`` of every gradient
+    over the mesh (DDP's averaging), the optimizer's step; returns the detached loss."""
+    import torch
+
+    import tdmesh
+
+    def step(x, y):
+        with torch.autocast(mesh.device_type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x, y)
+        opt.zero_grad(set_to_none=set_to_none)
+        loss.backward()
+        tdmesh.reduce_([p.grad for p in model.parameters()], mesh.names, "avg")
+        opt.step()
+        return loss.detach()
+    return step

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     import torch
 
     import tdmesh
-    from bench.helpers import OpCounter, count_kernels, train_optimizer
+    from bench.helpers import OpCounter, count_kernels, data_parallel_step, train_optimizer
 
     from nanogpt import GPT, sized
     train = __import__("runpy").run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
@@ -84,16 +84,7 @@ def main(argv=None) -> None:
             tdmesh.random.set_manual_seed_remote(0)
             model = GPT(cfg)
             opt = train_optimizer(model.parameters(), mesh.device_type == "cuda")
-
-            def step(x, y):
-                with torch.autocast(mesh.device_type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-                    loss = model(x, y)
-                opt.zero_grad(set_to_none=not args.keep_grads)
-                loss.backward()
-                tdmesh.reduce_([prm.grad for prm in model.parameters()], mesh.names, "avg")
-                opt.step()
-                return loss.detach()
-            return step
+            return data_parallel_step(model, opt, mesh, args.dtype == "bf16", set_to_none=not args.keep_grads)
 
         issue_s: dict = {}
 
