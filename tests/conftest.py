@@ -7,7 +7,6 @@ import torch
 import tdmesh
 from tdmesh.config import cpu_forced, env_str
 
-
 # The files whose tests take minutes (hypothesis-drawn training programs, torch's OpInfo
 # database, inductor compiles from an empty cache): collected first, so that pytest-xdist's
 # two processes (pytest.ini: --dist loadfile hands out whole files in collection order) start
