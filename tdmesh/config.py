@@ -20,8 +20,9 @@ VARIABLES = {
                             "becomes the rank (local_mesh names each worker's stderr file instead)"),
     "TDMESH_SELF_ERROR_EXIT_CODE": ("1", "worker exit code when the job fails and this worker caused it"),
     "TDMESH_PEER_ERROR_EXIT_CODE": ("1", "worker exit code when the job fails because of another process"),
-    "TDMESH_PEER_EXIT_DELAY": ("2.0", "seconds a torchrun worker waits before exiting for another process's failure, "
-                                      "so that rank 0 (the script) is torchrun's root cause"),
+    "TDMESH_PEER_EXIT_DELAY": ("2.0", "seconds a torchrun worker waits, after rank 0 says it leaves, before exiting "
+                                      "for another process's failure, so that rank 0 (the script) is torchrun's root "
+                                      "cause"),
     "TDMESH_SCOPE": ("", "store key prefix of a local_mesh fleet (set by local_mesh)"),
     "TDMESH_CONTROLLER_HOST": ("", "the address workers use to reach the client (default: this host's name, "
                                    "or 127.0.0.1 when the name does not resolve)"),

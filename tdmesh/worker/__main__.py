@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         return 2
     if args.script:  # functions defined next to the script travel by import path
         sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
-    from .loop import configure_logging, run_worker
+    from .loop import configure_logging, run_worker, say_rank_0_leaves
     configure_logging()
     client = None
     if args.script and int(os.environ["RANK"]) == 0:
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
         if client_code < 0:  # killed by a signal: report like a shell does
             client_code = 128 - client_code
         code = client_code
+    say_rank_0_leaves(code)  # under torchrun: the other ranks wait for it (loop.wait_for_rank_0_to_leave)
     if not clean:  # do not wait in teardown for streams stuck on dead peers
         sys.stdout.flush()
         sys.stderr.flush()

@@ -296,7 +296,28 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
     if interp.caused_error:
         return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), True, False
     if rank != 0 and not env_str("TDMESH_SCOPE"):
-        # Under torchrun, let rank 0 (which exits with the script's own code) be the first
-        # failure torchrun observes, so its summary names the script as the root cause.
-        time.sleep(env_float("TDMESH_PEER_EXIT_DELAY"))
+        wait_for_rank_0_to_leave()
     return env_int("TDMESH_PEER_ERROR_EXIT_CODE"), True, False
+
+
+# Under torchrun rank 0's worker says on the job's store that it is about to exit (with the
+# script's own code), just before it does: the other ranks, which leave because the script
+# failed, wait for that, then TDMESH_PEER_EXIT_DELAY more, so that rank 0 is the first failure
+# torchrun observes and its summary names the script as the root cause.  A fixed delay alone
+# lost that race on a loaded machine: the client's own teardown can take longer than it.
+RANK_0_LEAVING = "rank_0_leaving"
+RANK_0_WAIT_LIMIT = 60.0  # seconds; rank 0 killed before it could say so: the others leave anyway
+
+
+def say_rank_0_leaves(code: int) -> None:
+    """On rank 0 under torchrun, just before it exits: tell the other ranks (best effort)."""
+    if env_str("TDMESH_SCOPE") or int(os.environ.get("RANK", "0")) != 0:
+        return
+    with contextlib.suppress(Exception):  # a store already gone: the other ranks' wait is bounded
+        connect_store(timeout=10.0).set(f"{job_scope()}/{RANK_0_LEAVING}", str(code))
+
+
+def wait_for_rank_0_to_leave() -> None:
+    with contextlib.suppress(Exception):  # the limit passed or the store is gone: leave now
+        connect_store(timeout=10.0).wait([f"{job_scope()}/{RANK_0_LEAVING}"], timedelta(seconds=RANK_0_WAIT_LIMIT))
+    time.sleep(env_float("TDMESH_PEER_EXIT_DELAY"))
