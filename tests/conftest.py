@@ -1,8 +1,10 @@
 import os
 import re
 
+import hypothesis
 import pytest
 import torch
+from hypothesis._settings import is_in_ci as hypothesis_in_ci
 
 import tdmesh
 from tdmesh.config import cpu_forced, env_str
@@ -12,6 +14,14 @@ from tdmesh.config import cpu_forced, env_str
 # two processes (pytest.ini: --dist loadfile hands out whole files in collection order) start
 # them first and the many short files fill in beside them, instead of one long file last.
 LONG_FILES = ("test_compile_differential.py", "test_opinfo.py", "test_programs.py")
+
+
+def pytest_runtest_setup(item):
+    """Each test runs under hypothesis's own profile ("ci" under CI, else "default": 100
+    examples): importing torch's ``testing._internal.common_utils`` (the OpInfo tests do) loads
+    torch's profile for the whole process -- 10 examples, or 50 under CI -- which would quietly
+    change every ``@given`` test that does not name its own ``max_examples``."""
+    hypothesis.settings.load_profile("ci" if hypothesis_in_ci() else "default")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
