@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from enum import Enum
 
@@ -291,11 +291,11 @@ def attach(endpoint: str, token: str | None = None, *, supervision=None, control
     world, per_host = (int(v) for v in store.get(scope + "/world").decode().split(","))
     session = store.add(scope + "/sessions", 1) - 1
 
-    def announce(my_host: str, my_port: int) -> str:
+    def announce(my_host: str, my_port: int) -> tuple[str, Callable[[], None]]:
         salt = new_token()
         signature = proof(token, session, my_host, my_port, salt)
-        store.set(f"{scope}/{session}/controller", f"{my_host}|{my_port}|{salt}|{signature}")
-        return session_token(token, session, salt)
+        return session_token(token, session, salt), lambda: store.set(
+            f"{scope}/{session}/controller", f"{my_host}|{my_port}|{salt}|{signature}")
 
     conns, hellos, gate, relays = accept_workers(store, world, host=controller_host(), bind="0.0.0.0",
                                                  announce=announce, timeout=timeout)

@@ -159,7 +159,7 @@ class Gatekeeper:
 
 def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str | None = None,
                    alive: Callable[[], str | None] = lambda: None, timeout: float | None = None,
-                   announce: Callable[[str, int], str] | None = None,
+                   announce: Callable[[str, int], tuple[str, Callable[[], None]]] | None = None,
                    meanwhile: Callable[[], None] | None = None):
     """Publish the client in ``store`` and accept one authenticated connection per rank.
 
@@ -169,7 +169,9 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
     Each connection is a worker, or a host's relay speaking for several ranks.  Returns
     (connections by the first rank behind them, every rank's hello, the gatekeeper that
     keeps refusing strangers, {key: (host, ranks)} of the relays).  ``announce(host, port)``
-    (attach mode) publishes the client its own way and returns the session's token.
+    (attach mode) returns the session's token and the call that publishes the client its own
+    way: the gate knows the token before any worker can learn where it is (a worker that came
+    in between was refused as a stranger and the client waited out its timeout).
     """
     timeout = env_float("TDMESH_CONNECT_TIMEOUT") if timeout is None else timeout
     gate = Gatekeeper(bind)
@@ -178,7 +180,8 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
     relays: dict[int, tuple[int, tuple[int, ...]]] = {}
     try:
         if announce is not None:
-            gate.token = announce(host, gate.port)
+            gate.token, publish = announce(host, gate.port)
+            publish()
         else:
             token, published = job_token(scope or job_scope())
             gate.token = token

@@ -27,7 +27,8 @@ def frame(payload: bytes) -> bytes:
 class Startup:
     """``accept_workers`` for ``world`` ranks on a thread; ``address`` is set once it listens."""
 
-    def __init__(self, world: int, timeout: float) -> None:
+    def __init__(self, world: int, timeout: float, on_publish=None) -> None:
+        self.on_publish = on_publish
         self.announced = threading.Event()
         self.result = None
         self.error = None
@@ -35,10 +36,14 @@ class Startup:
         self.thread.start()
         assert self.announced.wait(10), "the gatekeeper never announced itself"
 
-    def _announce(self, host: str, port: int) -> str:
+    def _announce(self, host: str, port: int):
         self.port, self.token = port, "t" * 32
-        self.announced.set()
-        return self.token
+
+        def publish() -> None:
+            self.announced.set()
+            if self.on_publish is not None:
+                self.on_publish(self)
+        return self.token, publish
 
     def _run(self, world: int, timeout: float) -> None:
         try:
@@ -70,6 +75,18 @@ def wait_for(condition, seconds: float = 10.0) -> bool:
 def patient_gate(monkeypatch):
     """Strangers get a minute for their first frame: nothing a test does can outlast it."""
     monkeypatch.setattr(Gatekeeper, "HELLO_TIMEOUT", 60.0)
+
+
+def test_a_worker_that_connects_the_moment_the_client_is_published_is_admitted():
+    """The gate knows the session token before the announcement is out: a worker as quick as
+    the publish itself passes (CI once saw one refused as a stranger, then a 120 s wait)."""
+    first = []
+    startup = Startup(world=1, timeout=20, on_publish=lambda s: first.append(s.worker(0)))
+    startup.thread.join(20)
+    assert startup.error is None, startup.error
+    conns, hellos, gate, _ = startup.result
+    assert sorted(hellos) == [0] and gate.refused == 0
+    gate.close()
 
 
 def test_silent_strangers_do_not_hold_up_the_workers(patient_gate):
