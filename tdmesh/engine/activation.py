@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+from collections.abc import Callable
 
 import torch
 from torch.overrides import _get_current_function_mode_stack
@@ -153,8 +154,10 @@ def default_device() -> torch.device:
 
 
 def _enter_mode() -> None:
-    global _mode_depth
+    global _mode_depth, _torch_load
     with _mode_lock:
+        if _torch_load is None and torch.load is not _load_locally:
+            _torch_load, torch.load = torch.load, _load_locally
         if _mode_depth == 0:
             _push_mode(MESH_MODE)
         _mode_depth += 1
@@ -181,3 +184,16 @@ class _NoMesh:
 
 
 no_mesh = _NoMesh()
+_torch_load: Callable | None = None  # torch's own, once the first activation wrapped it
+
+
+def _load_locally(*args, **kwargs):
+    """``torch.load`` under an active mesh returns what it returns without one: local tensors
+    (pretrained weights, which ``load_state_dict`` then ships to the mesh), ``map_location``
+    honoured.  Without this wrapper (installed by the first activation) the file's storages
+    would meet the mesh's factories, which describe mesh tensors, and torch.load fails."""
+    assert _torch_load is not None
+    if active_mesh_or_none() is None:
+        return _torch_load(*args, **kwargs)
+    with no_mesh.activate():
+        return _torch_load(*args, **kwargs)

@@ -1,12 +1,11 @@
 """The client: owns the connections to one fleet, sends batches, and pumps replies.
 
-This runs in the user's process (torchrun's rank 0 spawns it).  Ops arrive from
-:func:`tdmesh.engine.issue.issue` at ``sink.submit``: the client is the sink, except while a compiled
-function is traced.  Each op is recorded in the dataflow history, pickled once and appended
-once to the outbox (:mod:`tdmesh.engine.outbox`), which goes out whole to every child (a worker, or a
-host's relay) when it grows, when a value is awaited, or shortly after the user stops issuing
-ops.  A reader thread turns frames into inbox messages; the user's thread applies them (one
-handler per worker->client message) when it waits (``pump``), so the history needs no lock.
+This runs in the user's process (torchrun's rank 0 spawns it).  Ops arrive from :func:`tdmesh.engine.issue.issue`
+at ``sink.submit``: the client is the sink, except while a compiled function is traced.  Each op is recorded
+in the dataflow history, pickled once and appended once to the outbox (:mod:`tdmesh.engine.outbox`), which goes
+out whole to every child (a worker, or a host's relay) when it grows, when a value is awaited, or shortly after
+the user stops issuing ops.  A reader thread turns frames into inbox messages; the user's thread applies them
+(one handler per worker->client message) when it waits (``pump``), so the history needs no lock.
 """
 
 from __future__ import annotations
@@ -33,14 +32,14 @@ from .future import Future
 from .history import History
 from .outbox import Outbox
 from .supervisor import FleetFailure, FleetInfo, Supervisor, WorkerLost
+from .tasks import Tasks
 
 log = logging.getLogger("tdmesh")
 
 _FLUSH_BYTES = 256 * 1024
-# A coalescing block streams in batches of this size: about 400 CallOps, so the workers start
-# on a long block within milliseconds (a 256 KiB batch held ~6,500 of them back, which made
-# a long block slower than plain dispatch) and a block still sends ~100x fewer frames than ops.
 _BARE = (m.CallOp, m.CallRecording)
+# A coalescing block streams in batches of this size (~400 CallOps): the workers start on a long block
+# within milliseconds (256 KiB held ~6,500 back: slower than plain dispatch), ~100x fewer frames than ops.
 _COALESCED_BATCH_BYTES = 16 * 1024
 _dumps = pickle.dumps  # transport.encode, without the call: submit runs once per op
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -87,6 +86,7 @@ class Client:
         self._ops_since_probe = 0
         self._probe_every = self.controller.ops_per_progress_request
         self.debugger = Debugger(self)
+        self.tasks = Tasks(self)  # workers' background work (async checkpoint writes)
         self.supervisor = Supervisor(self, self.supervision, self.controller, process_failure)
         self._reader = threading.Thread(target=self._read_loop, name="tdmesh-reader", daemon=True)
         self._reader.start()
@@ -94,7 +94,8 @@ class Client:
         self._flusher.start()
         self._handlers: dict[type, Callable[[int, Any], None]] = {
             m.Status: self.Status, m.FetchResult: self.FetchResult, m.RemoteFunctionFailed: self.RemoteFunctionFailed,
-            WorkerLost: self.WorkerLost, FleetFailure: self.FleetFailure, **self.debugger.handlers}
+            WorkerLost: self.WorkerLost, FleetFailure: self.FleetFailure, **self.debugger.handlers,
+            **self.tasks.handlers}
         for key in self.relays:
             conns[key].send_control(m.RelayConfig(*self.supervision))
         self.send_setup(m.Supervise(self.supervision.heartbeat_interval))
@@ -126,11 +127,10 @@ class Client:
 
     def submit(self, ranks, msg, seq: int | None = None, uses=(), defs=(), future: Future | None = None,
                inputs=(), deletes_first: bool = False, outputs=(), site=None) -> None:
-        """The sink's one method: record op ``seq`` (if any) in the history and queue ``msg``
-        for ``ranks``.  Frees of dead proxies are batched into one DeleteRefs per flush (ref
-        ids are never reused, so a late free is safe); ``deletes_first`` sends them first.
-        ``inputs`` and ``outputs`` (the proxies the op read and made) matter to a recorder only;
-        ``site`` is the user's call site where the caller has it (else it is captured here)."""
+        """The sink's one method: record op ``seq`` (if any) in the history and queue ``msg`` for ``ranks``.
+        Frees of dead proxies are batched into one DeleteRefs per flush (ref ids are never reused, so a late
+        free is safe); ``deletes_first`` sends them first.  ``inputs`` and ``outputs`` (the proxies the op read
+        and made) matter to a recorder only; ``site`` is the user's call site where the caller has it."""
         with self.lock:
             if self.failure is not None or self.closed:
                 self.check_usable()
@@ -219,10 +219,7 @@ class Client:
         holder = self.delete_holder
         if holder is not None and holder.hold_delete(ref, mesh):  # a trace is pending (programs.tracing)
             return
-        entry = self._deletes.get(mesh)
-        if entry is None:
-            entry = self._deletes.setdefault(mesh, (mesh, []))
-        entry[1].append(ref)
+        (self._deletes.get(mesh) or self._deletes.setdefault(mesh, (mesh, [])))[1].append(ref)
 
     def delete_refs(self, refs, mesh) -> None:
         for ref in refs:
@@ -371,6 +368,7 @@ class Client:
     def _fail_fleet(self, exc: DeviceException) -> None:
         if self.failure is None:
             self.failure = exc
+        self.tasks.fail(self.failure)
         for fut in self.history.pending_futures():
             if not fut._finished():
                 fut._set_exception(self.failure)
@@ -383,6 +381,8 @@ class Client:
         """Stop every worker (or, with ``detach``, release them for the next client); idempotent."""
         if self.closed:
             return
+        if self.failure is None:
+            self.tasks.wait_all(timeout)  # a checkpoint being written is finished first
         self.exiting = True
         try:
             if self.failure is None:

@@ -130,6 +130,9 @@ def dispatch(func, args: tuple, kwargs: dict):
     if local:
         if name in _LIFT and not remote:
             return ship_local(local[0], mesh)
+        if func is _COPY and remote and args[0] is remote[0] and len(local) == 1 and args[1] is local[0]:
+            # mesh_tensor.copy_(local): load_state_dict of local (pretrained) weights ships them
+            return func(args[0], ship_local(local[0], mesh, remote[0].stream), *args[2:], **kwargs)
         raise_in_op("LOCAL_TENSOR", f"{func} mixes a local tensor with the mesh {mesh.shape}:\n"
                                     f"  {describe(local[0])}\ncopy it to the mesh with torch.tensor(tensor) under "
                                     f"mesh.activate() or tdmesh.to_mesh(tensor, mesh), "
@@ -282,6 +285,9 @@ def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:
                               stream.id)
 
     return issue(mesh, build, outputs=[New(meta)], device=device, stream=stream)[0]
+
+
+_COPY = torch.ops.aten.copy_.default
 
 
 class _MeshMode(TorchDispatchMode):

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from ..errors import PlacementError, UsageError, call_site
+from ..errors import PlacementError, UsageError, call_site, user_line
 from .propagation import SparseMeta, TensorMeta, meta_tensor
 from .stream import Stream
 
@@ -134,9 +134,24 @@ class Tensor(torch.Tensor):
         return (f"tdmesh.Tensor(shape={list(self.shape)}, dtype={self.dtype}, device={self.device}, "
                 f"mesh={self._mesh.shape}{on}, ref={self._r.id}{state})")
 
-    def __reduce_ex__(self, protocol):
-        raise UsageError("a tdmesh.Tensor cannot be pickled: its data lives on the workers; "
-                         "fetch it with tdmesh.fetch_shard(t).result()")
+    def __reduce_ex__(self, protocol):  # torch.save, pickle, copy.deepcopy
+        raise UsageError(f"a tdmesh.Tensor cannot be pickled (torch.save, pickle): its data lives on the workers. "
+                         f"{_CHECKPOINT_WAY}; for a small value, fetch it: tdmesh.fetch_shard(t).result() "
+                         f"(one rank) or tdmesh.fetch_all(t)\n  at {user_line()}")
+
+    # torch.distributed.checkpoint's planner asks a tensor for these first (DTensor's protocol):
+    # on the client, DCP would read each mesh tensor's bytes in its writer thread; it fails here, at once
+    def __create_write_items__(self, fqn: str, obj):
+        raise UsageError(f"torch.distributed.checkpoint cannot save mesh tensor {fqn!r} from the client: its data "
+                         f"lives on the workers. {_CHECKPOINT_WAY}\n  at {user_line()}")
+
+    def __create_chunk_list__(self):
+        raise UsageError(f"torch.distributed.checkpoint cannot load into a mesh tensor from the client: its data "
+                         f"lives on the workers. {_CHECKPOINT_WAY.replace('save', 'load')}\n  at {user_line()}")
+
+
+_CHECKPOINT_WAY = ("Checkpoint with tdmesh.checkpoint.save(state_dict, checkpoint_id=path) (DCP's arguments), which "
+                   "runs torch.distributed.checkpoint on every worker")
 
 
 _wrapper = torch.Tensor._make_wrapper_subclass

@@ -42,6 +42,8 @@ def to_wire(obj):
     wire = getattr(obj, "_tdmesh_wire", None)
     if wire is not None:
         return wire()
+    if isinstance(obj, dict):  # an OrderedDict (a module's state_dict()) keeps its type
+        return type(obj)((k, to_wire(v)) for k, v in obj.items())
     return obj
 
 

@@ -4,7 +4,8 @@ Client -> worker messages carry ``Ref`` placeholders where tensors go; worker ->
 messages report values, root failures and progress.  Records are NamedTuples because
 they pickle small and fast, and the hot path pickles one per op.  ``REF_FIELDS`` says, in
 one table, which fields of each message hold refs: renaming a recording on the worker, the
-refs a recording defines and the client's recording signatures all read it.
+refs a recording defines and the client's recording signatures all read it.  The values
+that travel inside messages (a mesh argument, a packed tensor) are in ``arguments``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 from ..geometry.slice import Slice
+
+# the argument values that messages carry, as m.MeshArg
+from .arguments import DeviceName, MeshArg, PackedTensor, ProcessGroupArg, TorchGlobal, TorchMeshArg  # noqa: F401
 
 
 class Ref(NamedTuple):
@@ -262,6 +266,13 @@ class Status(NamedTuple):
     first_uncompleted: int
 
 
+class TaskDone(NamedTuple):
+    """A background task a message started on ``rank`` (an async checkpoint's write) ended; ``error``: why it failed."""
+    task: int
+    rank: int
+    error: Optional[str] = None
+
+
 class DebuggerRead(NamedTuple):
     """``rank`` is stopped in pdb (``breakpoint()`` in a remote function): print ``output``
     (what pdb printed, ending in its prompt) and send it the user's next line."""
@@ -317,8 +328,8 @@ class DependentError(NamedTuple):
 CLIENT_TO_WORKER = (CallFunction, DefineOp, CallOp, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups,
                     DropGroups, DefineRecording, CallRecording, BorrowCreate, BorrowFirstUse, BorrowLastUse, BorrowDrop,
                     DeleteRefs, RequestStatus, DebuggerInput, Supervise, Detach, Exit)
-WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status, DebuggerRead,
-                    DebuggerDone, RelayHello, RanksLost)
+WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status, TaskDone,
+                    DebuggerRead, DebuggerDone, RelayHello, RanksLost)
 RELAY_CONTROL = (RelayConfig,)
 HANDSHAKE = (Challenge, Welcome)
 
@@ -343,57 +354,3 @@ REF_FIELDS: dict[Any, dict[str, str]] = {  # NamedTuple message class -> {field:
     BorrowDrop: {"borrow": "borrow"},
     DeleteRefs: {"refs": "uses"},
 }
-
-
-class MeshArg(NamedTuple):
-    """A ``DeviceMesh`` argument; the worker substitutes its own view of that mesh."""
-    shape: Any
-
-
-class TorchMeshArg(NamedTuple):
-    """``mesh.torch_mesh()``: the worker substitutes a ``torch.distributed.device_mesh.DeviceMesh``
-    with the same dims, over the per-dim groups of the calling stream (DTensor, FSDP2)."""
-    mesh: Any
-
-
-class ProcessGroupArg(NamedTuple):
-    """A ``RemoteProcessGroup`` argument; the worker substitutes a real ProcessGroup over
-    ``dims`` of ``mesh`` for the calling stream (one group per ref and stream)."""
-    ref: int
-    mesh: Any
-    dims: tuple
-
-
-class PackedTensor(NamedTuple):  # a dense CPU tensor as raw bytes: pickles ~10x faster than a tensor
-    dtype: str
-    shape: tuple
-    data: Any  # a PickleBuffer where packed (codec.pack_tensor; protocol 5); a bytearray or a bulk frame's view
-
-
-class TorchGlobal(NamedTuple):
-    """A torch module attribute by name (``torch.preserve_format``): pickle finds a
-    ``torch.memory_format``'s module by scanning every loaded module (~0.1 ms a value, and
-    many ops carry one); this travels as a name and is looked up on arrival."""
-    name: str
-
-    def __reduce__(self):
-        return torch_global, (self.name,)
-
-
-def torch_global(name: str):
-    import torch
-    return getattr(torch, name)
-
-
-class DeviceName(NamedTuple):
-    """A ``torch.device`` as its name: its own pickle (a reduce through ``torch.device``)
-    costs several microseconds an op."""
-    name: str
-
-    def __reduce__(self):
-        return torch_device, (self.name,)
-
-
-def torch_device(name: str):
-    import torch
-    return torch.device(name)

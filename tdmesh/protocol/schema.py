@@ -152,6 +152,7 @@ WORKER_SCHEMA: dict[type, dict[str, Kind]] = {
     m.RemoteFunctionFailed: dict(seq=INT, rank=INT, exc_type=TEXT, message=TEXT, traceback=TEXT),
     m.WorkerFailed: dict(seq=INT, rank=INT, function=TEXT, exc_type=TEXT, message=TEXT, traceback=TEXT),
     m.Status: dict(rank=INT, first_uncompleted=INT),
+    m.TaskDone: dict(task=INT, rank=INT, error=OPT_TEXT),
     m.DebuggerRead: dict(rank=INT, output=TEXT),
     m.DebuggerDone: dict(rank=INT, output=TEXT),
     m.RelayHello: dict(host=INT, first=INT, end=INT, nonce=NONCE, proof=TEXT, hellos=HELLOS),

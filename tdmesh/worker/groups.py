@@ -16,6 +16,8 @@ key makes its first ``reduce`` + fetch 4-12 ms slower than the second.
 Keys: one group set per (stream, mesh, dims), so collectives on different streams never
 queue behind each other on one communicator; one per (ref, stream) for the groups users
 get from ``mesh.process_group``; one all-ranks group per (from stream, to stream) for P2P.
+``tdmesh.checkpoint`` gets groups like a user's, on gloo whatever the device: DCP's plans and
+an async save's writing thread go over them, beside the job's NCCL traffic.
 
 Lifetime: every group lives for the worker's session (``Detach``/``Exit`` destroy the world,
 and with it every group), except a user's group, which ``RemoteProcessGroup.drop`` ends
@@ -50,7 +52,7 @@ class Groups:
     def key(msg: m.CreateGroups) -> tuple:
         if msg.kind == "dims":
             return ("dims", msg.stream, msg.mesh, msg.dims)
-        if msg.kind == "remote":
+        if msg.kind in ("remote", "checkpoint"):  # a checkpoint's: a user group of its own, on gloo
             return ("remote", msg.ref, msg.stream)
         if msg.kind == "p2p":
             return ("p2p", msg.stream, msg.to_stream)
@@ -66,7 +68,8 @@ class Groups:
             member_lists = all_groups(msg.mesh, msg.dims)
         mine = None
         for i, members in enumerate(member_lists):
-            group = dist.new_group(members, group_desc=f"tdmesh:{msg.kind}:s{msg.stream}:{i}")
+            group = dist.new_group(members, backend="gloo" if msg.kind == "checkpoint" else None,
+                                   group_desc=f"tdmesh:{msg.kind}:s{msg.stream}:{i}")
             if self.rank in members:
                 mine = group
         self._groups[key] = mine  # None where this rank is outside the mesh

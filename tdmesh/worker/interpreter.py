@@ -29,6 +29,7 @@ from .mesh import WorkerMesh
 from .ops import DefinedOp, slot_values
 from .recordings import Recordings
 from .streams import Stream
+from .tasks import Tasks
 from .values import DependentOnError, DeviceBroken, Poison, device_is_broken, to_fetchable, unseal
 
 log = logging.getLogger("tdmesh.worker")
@@ -60,6 +61,7 @@ class Interpreter:
         self.groups = Groups(rank, world_size)
         self.borrows = Borrows(rank)
         self.recordings = Recordings()
+        self.tasks = Tasks(rank, send)
         self.ops: dict[int, DefinedOp] = {}
         self.console = Console(rank, send)  # breakpoint() in a remote function: see loop._session
         self.caused_error = False
@@ -200,11 +202,13 @@ class Interpreter:
         for s in list(self.streams.values()):
             s.close()
             s.env.clear()
+        self.tasks.join()
         self.exit_request = msg
 
     def Exit(self, msg: m.Exit) -> None:
         for s in list(self.streams.values()):
             s.close()
+        self.tasks.join()  # an async checkpoint being written is finished, not cut off
         self.exit_request = msg
 
     # -- work (stream threads) -----------------------------------------------------------------
@@ -343,6 +347,8 @@ class Interpreter:
         if isinstance(obj, tuple):  # a NamedTuple or a torch.return_types value holding refs
             items = [self._resolve(x, stream) for x in obj]
             return t(*items) if hasattr(obj, "_fields") else t(items)
+        if isinstance(obj, dict):  # an OrderedDict (a module's state_dict())
+            return t((k, self._resolve(v, stream)) for k, v in obj.items())
         return obj
 
     @staticmethod

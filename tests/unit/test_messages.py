@@ -48,6 +48,7 @@ SAMPLES = {
     m.WorkerFailed: m.WorkerFailed(16, 2, "torch.ops.aten.index_select.default", "AcceleratorError",
                                    "CUDA error: device-side assert triggered", "Traceback ..."),
     m.Status: m.Status(1, 14),
+    m.TaskDone: m.TaskDone(3, 1, "OSError: disk full\nTraceback ..."),
     m.RelayHello: m.RelayHello(1, 2, 4, b"n" * 16, "proof-1", (m.Hello(2, b"a" * 16, "p2", "host-b", 7, "cpu", None),
                                                              m.Hello(3, b"b" * 16, "p3", "host-b", 8, "cpu", None))),
     m.Challenge: m.Challenge(b"c" * 16),
@@ -96,6 +97,7 @@ FIELDS = {
     m.RemoteFunctionFailed: ("seq", "rank", "exc_type", "message", "traceback"),
     m.WorkerFailed: ("seq", "rank", "function", "exc_type", "message", "traceback"),
     m.Status: ("rank", "first_uncompleted"),
+    m.TaskDone: ("task", "rank", "error"),
     m.DependentError: ("seq",),
     m.MeshArg: ("shape",),
     m.ProcessGroupArg: ("ref", "mesh", "dims"),
@@ -114,6 +116,7 @@ DEFAULTS = {
     m.Exit: {"error": None},
     m.DefineRecording: {"mode": "program"},
     m.FetchResult: {"error": None, "rank": -1},
+    m.TaskDone: {"error": None},
     m.SendTensor: {"zeros_on": None},
 }
 
@@ -124,7 +127,7 @@ def test_direction_tables_are_exactly_the_documented_records():
                                   m.BorrowCreate, m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs,
                                   m.RequestStatus, m.DebuggerInput, m.Supervise, m.Detach, m.Exit)
     assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.WorkerFailed,
-                                  m.Status, m.DebuggerRead, m.DebuggerDone, m.RelayHello, m.RanksLost)
+                                  m.Status, m.TaskDone, m.DebuggerRead, m.DebuggerDone, m.RelayHello, m.RanksLost)
     assert m.RELAY_CONTROL == (m.RelayConfig,)
     assert m.HANDSHAKE == (m.Challenge, m.Welcome)
     assert set(m.CLIENT_TO_WORKER).isdisjoint(m.WORKER_TO_CLIENT)
@@ -152,8 +155,9 @@ def test_every_wire_record_pickles_round_trip(cls, protocol):
 
 
 def test_every_record_class_is_covered():
+    modules = (m.__name__, "tdmesh.protocol.arguments")  # the messages, and the values they carry
     records = {v for v in vars(m).values()
-               if isinstance(v, type) and issubclass(v, tuple) and v.__module__ == m.__name__}
+               if isinstance(v, type) and issubclass(v, tuple) and v.__module__ in modules}
     assert records == set(FIELDS)
 
 

@@ -1,0 +1,59 @@
+"""The values that travel inside messages beside plain Python ones: a mesh, a torch mesh or a
+process group to substitute on the worker, a packed tensor, and torch globals by name.
+``tdmesh.protocol.messages`` re-exports them (``m.MeshArg``), as the messages that carry them."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class MeshArg(NamedTuple):
+    """A ``DeviceMesh`` argument; the worker substitutes its own view of that mesh."""
+    shape: Any
+
+
+class TorchMeshArg(NamedTuple):
+    """``mesh.torch_mesh()``: the worker's torch DeviceMesh of its dims, over the calling stream's groups."""
+    mesh: Any
+
+
+class ProcessGroupArg(NamedTuple):
+    """A ``RemoteProcessGroup``: the worker's ProcessGroup over ``dims`` of ``mesh`` (per ref and stream)."""
+    ref: int
+    mesh: Any
+    dims: tuple
+
+
+class PackedTensor(NamedTuple):  # a dense CPU tensor as raw bytes: pickles ~10x faster than a tensor
+    dtype: str
+    shape: tuple
+    data: Any  # a PickleBuffer where packed (codec.pack_tensor; protocol 5); a bytearray or a bulk frame's view
+
+
+class TorchGlobal(NamedTuple):
+    """A torch module attribute by name (``torch.preserve_format``): pickle finds a
+    ``torch.memory_format``'s module by scanning every loaded module (~0.1 ms a value, and
+    many ops carry one); this travels as a name and is looked up on arrival."""
+    name: str
+
+    def __reduce__(self):
+        return torch_global, (self.name,)
+
+
+def torch_global(name: str):
+    import torch
+    return getattr(torch, name)
+
+
+class DeviceName(NamedTuple):
+    """A ``torch.device`` as its name: its own pickle (a reduce through ``torch.device``)
+    costs several microseconds an op."""
+    name: str
+
+    def __reduce__(self):
+        return torch_device, (self.name,)
+
+
+def torch_device(name: str):
+    import torch
+    return torch.device(name)

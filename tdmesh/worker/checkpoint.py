@@ -1,0 +1,209 @@
+"""``tdmesh.checkpoint`` on the workers: every rank writes and reads its own data through
+``torch.distributed.checkpoint`` (DCP); no tensor byte goes through the client.
+
+Saving, each rank hashes its tensors (SHA-256 of the bytes) and the ranks exchange the digests
+over the checkpoint's gloo group.  A tensor equal along a mesh dim is written once for that dim;
+one that differs is written per rank.  In DCP's terms: a tensor equal on every rank is a plain
+tensor (DCP's planner writes it once and loads it onto any mesh, or into plain torch); one that
+differs along dims ``D`` is a DTensor of shape ``[size of each dim in D, *shape]``, sharded along
+``D`` and replicated along the rest, which plain torch loads as that stacked tensor.
+``tdmesh.json`` beside DCP's files records the mesh's dims and each tensor's ``D``; DCP's
+``.metadata``, written last (and removed first when a checkpoint is overwritten), is the commit:
+a checkpoint without it was cut off and never loads.
+
+An async save copies each rank's tensors at the call, in stream order (so later in-place
+updates do not reach the checkpoint), then writes on a background task
+(``tdmesh.worker.tasks``); writes of one worker run one after another, in the order called.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+from ..geometry.grouping import dims_rank
+from .mesh import WorkerMesh
+
+__all__ = ["save", "load", "LAYOUT_FILE", "COMMIT_FILE"]
+
+LAYOUT_FILE = "tdmesh.json"
+COMMIT_FILE = ".metadata"  # DCP's metadata: written last
+_previous = threading.Event()  # the last write of this worker has ended (one after another)
+_previous.set()
+_order = threading.Lock()
+_meshes: dict = {}
+
+
+def _after_previous_write() -> tuple[threading.Event, threading.Event]:
+    """(the event of the write before this one, this one's): a write waits for the one before."""
+    global _previous
+    with _order:
+        before, _previous = _previous, threading.Event()
+        return before, _previous
+
+
+def save(tree, checkpoint_id: str, group, mesh: WorkerMesh, task: int | None) -> None:
+    """Write ``tree`` (this rank's tensors and the plain values) as DCP checkpoint ``checkpoint_id``;
+    with ``task``, copy the tensors now and write on that background task."""
+    paths = [keystr(p) for p, _ in tree_flatten_with_path(tree)[0]]
+    leaves, spec = tree_flatten(tree)
+    before, mine = _after_previous_write()
+    if task is None:
+        _in_turn(before, mine, lambda: _write(leaves, paths, spec, checkpoint_id, group, mesh))
+        return
+    try:
+        snapshot = [x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x for x in leaves]
+    except BaseException:
+        _in_turn(before, mine, lambda: None)
+        raise
+    from .interpreter import Interpreter  # the running worker's: its tasks report to the client
+    assert Interpreter.current is not None
+    Interpreter.current.tasks.start(task, lambda: _in_turn(
+        before, mine, lambda: _write(snapshot, paths, spec, checkpoint_id, group, mesh)))
+
+
+def _in_turn(before: threading.Event, mine: threading.Event, fn: Callable[[], None]) -> None:
+    before.wait()
+    try:
+        fn()
+    finally:
+        mine.set()
+
+
+def _digest(t: torch.Tensor) -> str:
+    data = t.detach().to("cpu").contiguous().reshape(-1)
+    digest = hashlib.sha256(data.view(torch.uint8).numpy().data).hexdigest()  # the bytes, not copied
+    return f"{digest}|{t.dtype}|{tuple(t.shape)}"
+
+
+def _per_rank_dims(paths, leaves, group, mesh: WorkerMesh) -> dict[int, list[str]]:
+    """For each tensor leaf (by index), the mesh dims along which its ranks hold different values."""
+    tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    for i in tensors:
+        if leaves[i].layout != torch.strided or leaves[i].is_quantized:
+            raise TypeError(f"tdmesh.checkpoint saves dense tensors; {paths[i]} is {leaves[i].layout}")
+    if group.size() == 1:
+        return {i: [] for i in tensors}
+    mine = (mesh.global_rank, [_digest(leaves[i]) for i in tensors])
+    everyone: list = [None] * group.size()
+    dist.all_gather_object(everyone, mine, group=group)
+    labels = mesh.names
+    coords = {rank: tuple(dims_rank(mesh.shape, rank, (d,)) for d in labels) for rank, _ in everyone}
+    out = {}
+    for j, i in enumerate(tensors):
+        kinds = {digest.partition("|")[2] for _, digests in everyone for digest in [digests[j]]}
+        if len(kinds) > 1:
+            raise ValueError(f"tdmesh.checkpoint: {paths[i]} has different dtypes or shapes on different ranks "
+                             f"({sorted(kinds)}): a checkpointed tensor has one dtype and shape on every rank")
+        differs = []
+        for k, dim in enumerate(labels):
+            seen: dict[tuple, set] = {}
+            for rank, digests in everyone:
+                seen.setdefault(coords[rank][:k] + coords[rank][k + 1:], set()).add(digests[j])
+            if any(len(s) > 1 for s in seen.values()):
+                differs.append(dim)
+        out[i] = differs
+    return out
+
+
+def _cpu_mesh(mesh: WorkerMesh):
+    """A torch DeviceMesh of the mesh's dims on CPU, without process groups of its own: DCP and
+    DTensor need only the ranks' coordinates for the chunks of a per-rank tensor."""
+    from torch.distributed.device_mesh import DeviceMesh
+    found = _meshes.get(mesh.shape)
+    if found is None:
+        ranks = torch.tensor(mesh.shape.ranks(), dtype=torch.int).view(*[mesh.sizes[d] for d in mesh.names])
+        found = _meshes[mesh.shape] = DeviceMesh("cpu", ranks, mesh_dim_names=mesh.names, _init_backend=False)
+    return found
+
+
+def _stacked(local: torch.Tensor, dims: list[str], mesh: WorkerMesh):
+    """``local`` as the DTensor ``[size of each of dims, *local.shape]`` whose chunk is this rank's."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    shape = torch.Size([mesh.sizes[d] for d in dims] + list(local.shape))
+    placements = [Shard(dims.index(d)) if d in dims else Replicate() for d in mesh.names]
+    chunk = local.reshape([1] * len(dims) + list(local.shape))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(chunk, _cpu_mesh(mesh), placements, run_check=False, shape=shape, stride=stride)
+
+
+def _write(leaves, paths, spec, checkpoint_id: str, group, mesh: WorkerMesh) -> None:
+    leader = dist.get_rank(group) == 0
+    if leader:  # an overwritten checkpoint stops being a complete one before any byte changes
+        os.makedirs(checkpoint_id, exist_ok=True)
+        for name in (COMMIT_FILE, LAYOUT_FILE):
+            if os.path.exists(os.path.join(checkpoint_id, name)):
+                os.remove(os.path.join(checkpoint_id, name))
+    per_rank = _per_rank_dims(paths, leaves, group, mesh)  # also a barrier: after the leader's removals
+    values = list(leaves)
+    for i, dims in per_rank.items():
+        if dims:
+            values[i] = _stacked(leaves[i].detach().to("cpu"), dims, mesh)
+    if leader:
+        layout = {"dims": dict(mesh.sizes), "per_rank": {paths[i]: d for i, d in per_rank.items() if d}}
+        with open(os.path.join(checkpoint_id, LAYOUT_FILE), "w") as f:
+            json.dump(layout, f, indent=1)
+    dcp.save(tree_unflatten(values, spec), checkpoint_id=checkpoint_id, process_group=group)
+
+
+def load(tree, checkpoint_id: str, group, mesh: WorkerMesh):
+    """Load checkpoint ``checkpoint_id`` into this rank's tensors of ``tree``, in place; returns
+    the loaded tree with its tensors as None (the client takes the plain values from it)."""
+    before, mine = _after_previous_write()  # a checkpoint still being written here is finished first
+    result: list = []
+    _in_turn(before, mine, lambda: result.append(_read(tree, checkpoint_id, group, mesh)))
+    return result[0]
+
+
+def _read(tree, checkpoint_id: str, group, mesh: WorkerMesh):
+    if not os.path.exists(os.path.join(checkpoint_id, COMMIT_FILE)):
+        what = "does not exist" if not os.path.isdir(checkpoint_id) else (
+            f"has no {COMMIT_FILE}: it is not a complete checkpoint (the save writes it last, so a save that was "
+            f"cut off leaves none)")
+        raise FileNotFoundError(f"checkpoint {checkpoint_id} {what}")
+    layout_path = os.path.join(checkpoint_id, LAYOUT_FILE)
+    layout: dict = {"dims": {}, "per_rank": {}}  # a checkpoint that plain DCP wrote: every tensor as one
+    if os.path.exists(layout_path):
+        with open(layout_path) as f:
+            layout = json.load(f)
+    paths = [keystr(p) for p, _ in tree_flatten_with_path(tree)[0]]
+    leaves, spec = tree_flatten(tree)
+    targets = list(leaves)
+    copies = []
+    for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor):
+            continue
+        dims = layout["per_rank"].get(paths[i], [])
+        wrong = [d for d in dims if mesh.sizes.get(d) != layout["dims"].get(d)]
+        if wrong:
+            raise ValueError(f"tdmesh.checkpoint: {paths[i]} was saved per rank along {dims} of a mesh "
+                             f"{layout['dims']}; this mesh is {dict(mesh.sizes)}: a per-rank tensor loads onto a mesh "
+                             f"with those dims at those sizes (a tensor equal on every rank loads onto any mesh)")
+        buffer = x if x.device.type == "cpu" and not dims else torch.empty(x.shape, dtype=x.dtype)
+        if buffer is not x:
+            copies.append((x, buffer))
+        targets[i] = _stacked(buffer, dims, mesh) if dims else buffer
+    loaded = tree_unflatten(targets, spec)
+    dcp.load(loaded, checkpoint_id=checkpoint_id, process_group=group)
+    for x, buffer in copies:
+        with torch.no_grad():
+            x.copy_(buffer)
+    return _without_tensors(loaded)
+
+
+def _without_tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        return None
+    if isinstance(tree, dict):
+        return {k: _without_tensors(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_without_tensors(v) for v in tree)
+    return tree

@@ -1,0 +1,203 @@
+"""``tdmesh.checkpoint`` on real fleets, real files and torch's own ``torch.distributed.checkpoint``:
+a training state saved from a 2x2 mesh loads back bit for bit, its replicated part loads onto a
+1-rank mesh and into plain torch, an async save is a snapshot of the moment it was called, a
+save cut off by a dead worker never loads, and what users already type (``torch.save``,
+``dcp.save`` on the client, ``torch.load`` + ``load_state_dict`` of pretrained weights) works
+or says what to use."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.utils._pytree import tree_flatten_with_path
+
+import tdmesh
+import tdmesh.checkpoint as ckpt
+
+
+def _reference() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def _replicated_model(mesh) -> torch.nn.Module:
+    """The reference's weights on every rank (load_state_dict of local weights ships them)."""
+    weights = _reference().state_dict()  # local: made before the mesh is active
+    with mesh.activate():
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        model.load_state_dict(weights)
+    return model
+
+
+def _step(mesh, model, opt) -> None:
+    """One step on data that differs per rank, no gradient reduction: the ranks drift apart."""
+    with mesh.activate():
+        x = torch.ones(4, 6) * (mesh.process_idx() + 1).float()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _everywhere(mesh, tree) -> dict:
+    """Every rank's value of each tensor of ``tree`` (a flat dict), fetched."""
+    return {k: [v for _, v in tdmesh.fetch_all(t).result()] for k, t in tree.items()}
+
+
+def _flat(sd) -> dict:
+    out = {}
+    for path, leaf in tree_flatten_with_path(sd)[0]:
+        if type(leaf) is tdmesh.Tensor:
+            out["".join(str(p) for p in path)] = leaf
+    return out
+
+
+def test_a_training_state_loads_back_bit_for_bit_per_rank_and_replicated(mesh2x2, tmp_path):
+    model = _replicated_model(mesh2x2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _step(mesh2x2, model, opt)
+    with mesh2x2.activate():
+        shared = torch.arange(5.0)  # equal on every rank
+        per_host = torch.ones(3) * mesh2x2.rank("host")  # equal along gpu, not along host
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "shared": shared, "per_host": per_host,
+             "step": 1, "note": "first"}
+    ckpt.save(state, checkpoint_id=tmp_path / "a")
+    saved = _everywhere(mesh2x2, _flat(state))
+
+    layout = json.loads((tmp_path / "a" / "tdmesh.json").read_text())
+    assert layout["dims"] == {"host": 2, "gpu": 2}
+    per_rank = layout["per_rank"]
+    assert "['shared']" not in per_rank and per_rank["['per_host']"] == ["host"]
+    assert per_rank["['model']['0.weight']"] == ["host", "gpu"]  # each rank trained on its own data
+    assert ckpt.is_complete(tmp_path / "a") and ckpt.latest(tmp_path) == str(tmp_path / "a")
+
+    _step(mesh2x2, model, opt)  # everything moves on...
+    state["step"], state["note"] = 2, "second"
+    with torch.no_grad():
+        shared.zero_()
+        per_host.zero_()
+    moved = _everywhere(mesh2x2, _flat(state))
+    assert not any(torch.equal(a, b) for a, b in zip(moved["['model']['0.weight']"], saved["['model']['0.weight']"]))
+    ckpt.load(state, checkpoint_id=tmp_path / "a")  # ...and comes back: tensors in place, plain values set
+    assert state["step"] == 1 and state["note"] == "first"
+    again = _everywhere(mesh2x2, _flat(state))
+    assert again.keys() == saved.keys(), set(again) ^ set(saved)
+    for key in saved:
+        assert all(torch.equal(a, b) for a, b in zip(again[key], saved[key])), key
+
+
+def test_replicated_state_loads_onto_another_mesh_size_and_into_plain_torch(mesh2x2, mesh1, tmp_path):
+    model = _replicated_model(mesh2x2)
+    with mesh2x2.activate():
+        per_rank = torch.ones(2) * mesh2x2.process_idx()
+    ckpt.save({"model": model.state_dict(), "epoch": 3}, checkpoint_id=tmp_path / "rep")
+    ckpt.save({"per_rank": per_rank}, checkpoint_id=tmp_path / "per")
+    want = _reference().state_dict()
+
+    small = _replicated_model(mesh1)
+    with mesh1.activate(), torch.no_grad():
+        for p in small.parameters():
+            p.zero_()
+    state = {"model": small.state_dict(), "epoch": 0}
+    ckpt.load(state, checkpoint_id=tmp_path / "rep")
+    assert state["epoch"] == 3
+    for k, v in small.state_dict().items():
+        assert torch.equal(tdmesh.fetch_shard(v).result(), want[k]), k
+
+    plain = {"model": {k: torch.zeros_like(v) for k, v in want.items()}, "epoch": 0}
+    dcp.load(plain, checkpoint_id=str(tmp_path / "rep"))  # this process has no process group: plain torch
+    assert plain["epoch"] == 3 and all(torch.equal(plain["model"][k], want[k]) for k in want)
+    dcp_to_torch_save(str(tmp_path / "per"), str(tmp_path / "per.pt"))
+    stacked = torch.load(tmp_path / "per.pt")["per_rank"]
+    assert torch.equal(stacked, torch.arange(4.0).view(2, 2, 1).expand(2, 2, 2))  # [host, gpu, *shape]
+
+    with mesh1.activate():
+        target = torch.zeros(2)
+    with pytest.raises(tdmesh.RemoteException, match=r"saved per rank along \['host', 'gpu'\]"):
+        ckpt.load({"per_rank": target}, checkpoint_id=tmp_path / "per")
+
+
+def test_async_save_is_a_snapshot_of_its_call_and_resolves_its_future(mesh2x2, tmp_path):
+    with mesh2x2.activate():
+        value = torch.ones(1000) * mesh2x2.process_idx()
+    done = ckpt.async_save({"value": value, "step": 5}, checkpoint_id=tmp_path / "async")
+    with mesh2x2.activate(), torch.no_grad():
+        value.add_(100)  # after the call: not in the checkpoint
+        assert tdmesh.fetch_shard(value.sum()).result().item() == 100_000  # the stream went on
+    assert done.result(timeout=120) is None and ckpt.is_complete(tmp_path / "async")
+    state = {"value": value, "step": 0}
+    ckpt.load(state, checkpoint_id=tmp_path / "async")
+    assert state["step"] == 5
+    assert [v[0].item() for _, v in tdmesh.fetch_all(value).result()] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_save_cut_off_by_a_dead_worker_never_loads_and_a_new_mesh_resumes(tmp_path):
+    die = tdmesh.remote("os._exit", propagate="inspect")
+    with pytest.raises(tdmesh.DeviceException):
+        with tdmesh.local_mesh(gpus_per_host=2, pool=False) as mesh, mesh.activate():
+            big = torch.ones(8 * 1024 * 1024) * mesh.process_idx()  # 32 MiB a rank: the write takes a while
+            ckpt.save({"big": big, "step": 1}, checkpoint_id=tmp_path / "step1")
+            cut = ckpt.async_save({"big": big, "step": 2}, checkpoint_id=tmp_path / "step2")
+            over = ckpt.async_save({"big": big, "step": 3}, checkpoint_id=tmp_path / "step1-again")
+            with mesh.slice(gpu=1).activate():
+                die(9)
+            with pytest.raises(tdmesh.DeviceException):
+                cut.result(timeout=120)
+            with pytest.raises(tdmesh.DeviceException):
+                over.result(timeout=120)
+            tdmesh.fetch_shard(big).result(timeout=120)  # the mesh's failure, raised here
+    assert not ckpt.is_complete(tmp_path / "step2") and not ckpt.is_complete(tmp_path / "step1-again")
+    assert ckpt.latest(tmp_path) == str(tmp_path / "step1")
+    with tdmesh.local_mesh(gpus_per_host=2, pool=False) as mesh, mesh.activate():
+        big = torch.zeros(8 * 1024 * 1024)
+        state = {"big": big, "step": 0}
+        with pytest.raises(tdmesh.RemoteException, match="not a complete checkpoint"):
+            ckpt.load(state, checkpoint_id=tmp_path / "step2")
+        ckpt.load(state, checkpoint_id=ckpt.latest(tmp_path))
+        assert state["step"] == 1
+        assert [v[:2].tolist() for _, v in tdmesh.fetch_all(big).result()] == [[0.0, 0.0], [1.0, 1.0]]
+
+
+def test_what_users_already_type_works_or_names_tdmesh_checkpoint(mesh2x2, tmp_path):
+    model = _replicated_model(mesh2x2)  # load_state_dict of local weights: shipped, bit for bit
+    want = _reference().state_dict()
+    torch.save(want, tmp_path / "pretrained.pt")
+    with mesh2x2.activate():
+        loaded = torch.load(tmp_path / "pretrained.pt", map_location="cpu")  # local tensors, as without a mesh
+        assert all(type(v) is torch.Tensor for v in loaded.values())
+        with torch.no_grad():
+            model[0].weight.zero_()
+        model.load_state_dict(loaded)
+        for _, v in tdmesh.fetch_all(model[0].weight).result():
+            assert torch.equal(v, want["0.weight"])
+        with pytest.raises(tdmesh.UsageError, match="tdmesh.checkpoint.save"):
+            torch.save(model.state_dict(), tmp_path / "x.pt")
+        refused = r"cannot save mesh tensor '0.weight' from the client.*tdmesh.checkpoint"
+        with pytest.raises(BaseException, match=refused):  # DCP wraps it in a CheckpointException (BaseException)
+            dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "dcp"))
+        with pytest.raises(TypeError, match="local tensor"):
+            ckpt.save({"w": want["0.weight"]}, checkpoint_id=tmp_path / "l")
+
+
+def test_get_state_dict_gives_a_fresh_optimizer_state_to_load_into(mesh2x2, tmp_path):
+    model = _replicated_model(mesh2x2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _step(mesh2x2, model, opt)
+    with mesh2x2.activate():
+        model_sd, optim_sd = get_state_dict(model, opt)
+    ckpt.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path / "s")
+    saved = _everywhere(mesh2x2, _flat(optim_sd))
+
+    fresh = _replicated_model(mesh2x2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.05)
+    with mesh2x2.activate():  # it makes the optimizer's state (a step) to load into: on the mesh
+        model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    ckpt.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path / "s")
+    got = _everywhere(mesh2x2, _flat(get_state_dict(fresh, fresh_opt)[1]))  # the optimizer's own tensors
+    assert got.keys() == saved.keys()
+    for key in saved:
+        assert all(torch.equal(a, b) for a, b in zip(got[key], saved[key])), key
