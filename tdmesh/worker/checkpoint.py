@@ -151,7 +151,7 @@ def _write(leaves, paths, spec, checkpoint_id: str, group, mesh: WorkerMesh) -> 
         layout = {"dims": dict(mesh.sizes), "per_rank": {paths[i]: d for i, d in per_rank.items() if d}}
         with open(os.path.join(checkpoint_id, LAYOUT_FILE), "w") as f:
             json.dump(layout, f, indent=1)
-    dcp.save(tree_unflatten(values, spec), checkpoint_id=checkpoint_id, process_group=group)
+    _dcp(dcp.save, tree_unflatten(values, spec), checkpoint_id=checkpoint_id, process_group=group)
 
 
 def load(tree, checkpoint_id: str, group, mesh: WorkerMesh):
@@ -192,11 +192,27 @@ def _read(tree, checkpoint_id: str, group, mesh: WorkerMesh):
             copies.append((x, buffer))
         targets[i] = _stacked(buffer, dims, mesh) if dims else buffer
     loaded = tree_unflatten(targets, spec)
-    dcp.load(loaded, checkpoint_id=checkpoint_id, process_group=group)
+    _dcp(dcp.load, loaded, checkpoint_id=checkpoint_id, process_group=group)
     for x, buffer in copies:
         with torch.no_grad():
             x.copy_(buffer)
     return _without_tensors(loaded)
+
+
+def _dcp(fn, *args, **kwargs):
+    """Call DCP, whose failures are a ``CheckpointException`` -- a BaseException, which a worker
+    takes for a fatal one: raise the first failing rank's own error instead (a user error)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        return fn(*args, **kwargs)
+    except CheckpointException as e:
+        failures = sorted(e.failures.items())
+        if not failures:
+            raise RuntimeError(str(e)) from None
+        rank, (error, _) = failures[0]
+        if not isinstance(error, Exception):
+            raise RuntimeError(str(e)) from None
+        raise type(error)(f"{error} (torch.distributed.checkpoint, on checkpoint rank {rank})") from error
 
 
 def _without_tensors(tree):
