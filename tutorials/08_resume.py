@@ -84,7 +84,8 @@ def train(mesh, directory: str, steps: int, every: int, die_at: int | None = Non
                     saving.result()  # one checkpoint at a time: the one before is complete first
                 model_sd, optim_sd = get_state_dict(model, opt)  # keyed by parameter name, as load's
                 state = {"model": model_sd, "optim": optim_sd, "step": step + 1}
-                saving = tdmesh.checkpoint.async_save(state, checkpoint_id=os.path.join(directory, f"step-{step + 1:05d}"))
+                where = os.path.join(directory, f"step-{step + 1:05d}")
+                saving = tdmesh.checkpoint.async_save(state, checkpoint_id=where)
             if step == die_at:
                 with mesh.slice(**{d: mesh.size(d) - 1 for d in mesh.names}).activate():
                     tdmesh.remote("os._exit", propagate="inspect")(9)  # the fault: a worker dies
