@@ -292,3 +292,28 @@ def data_parallel_step(model, opt, mesh, bf16: bool = False, set_to_none: bool =
         opt.step()
         return loss.detach()
     return step
+
+
+# ---------------------------------------------------------------------------- checkpoint baseline
+def plain_write(tensors, directory: str, rank) -> None:
+    """Runs on a worker: ``tensors``' bytes into one file of this rank, written and fsynced as
+    DCP's FileSystemWriter writes its file per rank (the bench's plain-file baseline)."""
+    import torch
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"rank{int(rank)}.bin"), "wb") as f:
+        for t in tensors:
+            f.write(memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def plain_read(tensors, directory: str, rank) -> None:
+    """Runs on a worker: read ``plain_write``'s file back into ``tensors`` (their CPU memory,
+    or a CPU buffer copied to the device)."""
+    import torch
+    with open(os.path.join(directory, f"rank{int(rank)}.bin"), "rb") as f:
+        for t in tensors:
+            buffer = t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype)
+            f.readinto(memoryview(buffer.reshape(-1).view(torch.uint8).numpy()))
+            if buffer is not t:
+                t.copy_(buffer)

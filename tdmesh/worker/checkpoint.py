@@ -78,39 +78,70 @@ def _in_turn(before: threading.Event, mine: threading.Event, fn: Callable[[], No
         mine.set()
 
 
-def _digest(t: torch.Tensor) -> str:
-    data = t.detach().to("cpu").contiguous().reshape(-1)
-    digest = hashlib.sha256(data.view(torch.uint8).numpy().data).hexdigest()  # the bytes, not copied
-    return f"{digest}|{t.dtype}|{tuple(t.shape)}"
+_SAMPLE_WINDOWS = 64  # a tensor's sample: this many evenly spaced windows of its bytes...
+_SAMPLE_BYTES = 4096   # ...of this size (a smaller tensor is its whole self)
+
+
+def _bytes(t: torch.Tensor):
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _digest(t: torch.Tensor, sample: bool) -> str:
+    """SHA-256 of the tensor's bytes (``sample``: of evenly spaced windows of them), its dtype and shape."""
+    data = _bytes(t)
+    h = hashlib.sha256()
+    if sample and data.size > _SAMPLE_WINDOWS * _SAMPLE_BYTES:
+        step = (data.size - _SAMPLE_BYTES) // (_SAMPLE_WINDOWS - 1)
+        for k in range(_SAMPLE_WINDOWS):
+            h.update(data[k * step:k * step + _SAMPLE_BYTES].data)
+    else:
+        h.update(data.data)  # the bytes themselves, not a copy
+    return f"{h.hexdigest()}|{t.dtype}|{tuple(t.shape)}"
+
+
+def _differing_dims(everyone, j: int, labels, coords) -> list[str]:
+    """The dims along which the ranks' digests of tensor ``j`` differ."""
+    differs = []
+    for k, dim in enumerate(labels):
+        seen: dict[tuple, set] = {}
+        for rank, digests in everyone:
+            seen.setdefault(coords[rank][:k] + coords[rank][k + 1:], set()).add(digests[j])
+        if any(len(s) > 1 for s in seen.values()):
+            differs.append(dim)
+    return differs
 
 
 def _per_rank_dims(paths, leaves, group, mesh: WorkerMesh) -> dict[int, list[str]]:
-    """For each tensor leaf (by index), the mesh dims along which its ranks hold different values."""
+    """For each tensor leaf (by index), the mesh dims along which its ranks hold different values.
+
+    Samples first: a tensor whose samples already differ along a dim differs there (no more
+    to read); only along the dims where every sample agrees are the whole tensors hashed, and
+    only there does equality (of SHA-256 digests) make a tensor replicated."""
     tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     for i in tensors:
         if leaves[i].layout != torch.strided or leaves[i].is_quantized:
             raise TypeError(f"tdmesh.checkpoint saves dense tensors; {paths[i]} is {leaves[i].layout}")
     if group.size() == 1:
         return {i: [] for i in tensors}
-    mine = (mesh.global_rank, [_digest(leaves[i]) for i in tensors])
-    everyone: list = [None] * group.size()
-    dist.all_gather_object(everyone, mine, group=group)
     labels = mesh.names
+    everyone: list = [None] * group.size()
+    dist.all_gather_object(everyone, (mesh.global_rank, [_digest(leaves[i], True) for i in tensors]), group=group)
     coords = {rank: tuple(dims_rank(mesh.shape, rank, (d,)) for d in labels) for rank, _ in everyone}
     out = {}
     for j, i in enumerate(tensors):
-        kinds = {digest.partition("|")[2] for _, digests in everyone for digest in [digests[j]]}
+        kinds = {digests[j].partition("|")[2] for _, digests in everyone}
         if len(kinds) > 1:
             raise ValueError(f"tdmesh.checkpoint: {paths[i]} has different dtypes or shapes on different ranks "
                              f"({sorted(kinds)}): a checkpointed tensor has one dtype and shape on every rank")
-        differs = []
-        for k, dim in enumerate(labels):
-            seen: dict[tuple, set] = {}
-            for rank, digests in everyone:
-                seen.setdefault(coords[rank][:k] + coords[rank][k + 1:], set()).add(digests[j])
-            if any(len(s) > 1 for s in seen.values()):
-                differs.append(dim)
-        out[i] = differs
+        out[i] = _differing_dims(everyone, j, labels, coords)
+    spread = [d for d in labels if mesh.sizes[d] > 1]  # a dim of one rank never differs
+    unsure = [j for j, i in enumerate(tensors) if len(out[i]) < len(spread)]  # equal samples along some dim
+    if unsure:
+        full: list = [None] * group.size()
+        dist.all_gather_object(full, (mesh.global_rank, [_digest(leaves[tensors[j]], False) for j in unsure]),
+                               group=group)
+        for n, j in enumerate(unsure):
+            out[tensors[j]] = _differing_dims(full, n, labels, coords)
     return out
 
 

@@ -11,6 +11,7 @@ the client leaves is finished, not cut off.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import traceback
 from collections.abc import Callable
@@ -39,6 +40,7 @@ class Tasks:
 
     def _run(self, task: int, fn: Callable[[], None]) -> None:
         error = None
+        _yield_cpu()
         try:
             fn()
         except BaseException as e:  # noqa: BLE001 - the client is told, whatever it was
@@ -62,3 +64,13 @@ class Tasks:
     def running(self) -> int:
         with self._lock:
             return len(self._threads)
+
+
+def _yield_cpu() -> None:
+    """Background work gives way to the streams: this thread's scheduling priority drops to the
+    lowest (Linux schedules threads as tasks of their own), so on a host whose cores the job
+    keeps busy an async checkpoint's write takes what the training leaves."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the write just competes
+        pass
