@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -314,6 +315,11 @@ class Fleet:
         pool.park(pool.Parked(self.pool_key, self.scope, self.processes, self.store, self.log_files,
                               time.monotonic()))
         self.processes = None
+        idle = pool.idle_timeout()
+        n = len(self.client.ranks)
+        print(f"tdmesh: {n} worker{'s stay' if n != 1 else ' stays'} warm for {idle:g} s for the next local_mesh of "
+              f"this shape; tdmesh.pool.clear() stops {'them' if n != 1 else 'it'} now (TDMESH_POOL_IDLE=0 or "
+              f"local_mesh(pool=False): never kept)", file=sys.stderr, flush=True)
 
     def _stop_processes(self) -> None:
         if self.processes is None:

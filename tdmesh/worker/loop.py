@@ -114,8 +114,10 @@ def _park(store, device: torch.device, seed: int) -> str | None:
     import gc
 
     from . import collectives, functions
+    from .interpreter import Interpreter
     collectives.clear_group_info()
     functions.clear()
+    Interpreter.current = None  # the last session's interpreter: its recordings, CUDA graphs and their pools
     gc.collect()  # the last session's ref table sits in cycles (streams, threads): free its tensors now
     torch.manual_seed(seed)
     torch.set_default_dtype(torch.float32)
