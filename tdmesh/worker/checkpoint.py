@@ -23,6 +23,7 @@ import json
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,14 +61,38 @@ def save(tree, checkpoint_id: str, group, mesh: WorkerMesh, task: int | None) ->
         _in_turn(before, mine, lambda: _write(leaves, paths, spec, checkpoint_id, group, mesh))
         return
     try:
-        snapshot = [x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x for x in leaves]
+        snapshot, copied = _snapshot(leaves)
     except BaseException:
         _in_turn(before, mine, lambda: None)
         raise
     from .interpreter import Interpreter  # the running worker's: its tasks report to the client
+
+    def write() -> None:
+        if copied is not None:
+            copied.synchronize()  # the device-to-host copies, queued on the stream, have landed
+        _write(snapshot, paths, spec, checkpoint_id, group, mesh)
     assert Interpreter.current is not None
-    Interpreter.current.tasks.start(task, lambda: _in_turn(
-        before, mine, lambda: _write(snapshot, paths, spec, checkpoint_id, group, mesh)))
+    Interpreter.current.tasks.start(task, lambda: _in_turn(before, mine, write))
+
+
+def _snapshot(leaves) -> tuple[list, Any]:
+    """Copies of the tensor leaves as they are at this point of the stream: on CPU a clone; from
+    a GPU into pinned host memory, queued on the stream (the stream goes on at once: the copies
+    are ordered before its later work) with the event the write waits for."""
+    out, cuda = [], False
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.device.type == "cuda":
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)  # torch's pinned cache reuses them
+            host.copy_(x.detach(), non_blocking=True)
+            out.append(host)
+            cuda = True
+        else:
+            out.append(x.detach().clone() if isinstance(x, torch.Tensor) else x)
+    if not cuda:
+        return out, None
+    event = torch.cuda.Event()
+    event.record()
+    return out, event
 
 
 def _in_turn(before: threading.Event, mine: threading.Event, fn: Callable[[], None]) -> None:
@@ -182,7 +207,8 @@ def _write(leaves, paths, spec, checkpoint_id: str, group, mesh: WorkerMesh) -> 
         layout = {"dims": dict(mesh.sizes), "per_rank": {paths[i]: d for i, d in per_rank.items() if d}}
         with open(os.path.join(checkpoint_id, LAYOUT_FILE), "w") as f:
             json.dump(layout, f, indent=1)
-    _dcp(dcp.save, tree_unflatten(values, spec), checkpoint_id=checkpoint_id, process_group=group)
+    _dcp(dcp.save, tree_unflatten(values, spec), checkpoint_id=checkpoint_id, process_group=group,
+         checksums=False)
 
 
 def load(tree, checkpoint_id: str, group, mesh: WorkerMesh):
@@ -230,10 +256,19 @@ def _read(tree, checkpoint_id: str, group, mesh: WorkerMesh):
     return _without_tensors(loaded)
 
 
-def _dcp(fn, *args, **kwargs):
+def _dcp(fn, *args, checksums: bool = True, **kwargs):
     """Call DCP, whose failures are a ``CheckpointException`` -- a BaseException, which a worker
-    takes for a fatal one: raise the first failing rank's own error instead (a user error)."""
+    takes for a fatal one: raise the first failing rank's own error instead (a user error).
+
+    ``checksums=False``: torch.save (which DCP writes each record with) skips the zip CRC-32s
+    meanwhile.  Computing them holds the GIL for the whole record (~60 ms per 128 MiB), which
+    stalls the training threads of the worker that an async save is meant to overlap; torch.load
+    reads such records as well.  The setting is the process's: restored after the call."""
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.serialization import get_crc32_options, set_crc32_options
+    was = get_crc32_options()
+    if not checksums:
+        set_crc32_options(False)
     try:
         return fn(*args, **kwargs)
     except CheckpointException as e:
@@ -244,6 +279,8 @@ def _dcp(fn, *args, **kwargs):
         if not isinstance(error, Exception):
             raise RuntimeError(str(e)) from None
         raise type(error)(f"{error} (torch.distributed.checkpoint, on checkpoint rank {rank})") from error
+    finally:
+        set_crc32_options(was)
 
 
 def _without_tensors(tree):
