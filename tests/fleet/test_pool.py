@@ -173,3 +173,15 @@ def test_parked_workers_leave_with_their_client(tail):
     lines = out.stdout.splitlines()
     assert lines[1] == "parked 1"
     assert not _wait_gone([int(p) for p in lines[0].split()], within=10.0)
+
+
+def test_a_mesh_that_exits_into_the_pool_says_how_long_its_workers_stay_and_how_to_stop_them(capfd):
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1):
+        pass
+    err = capfd.readouterr().err
+    assert re.search(r"tdmesh: 1 worker stays warm for [\d.]+ s for the next local_mesh of this shape; "
+                     r"tdmesh\.pool\.clear\(\) stops it now \(TDMESH_POOL_IDLE=0 or local_mesh\(pool=False\)", err), err
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, pool=False):
+        pass
+    assert "stays warm" not in capfd.readouterr().err
+    pool.clear()
