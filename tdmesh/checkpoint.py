@@ -118,9 +118,12 @@ def load(state_dict: dict, *, checkpoint_id) -> None:
     """Load checkpoint ``checkpoint_id`` into ``state_dict`` in place, as DCP does: each rank
     reads its tensors' data into them on its own, and the plain values (``"step": 7``) are set
     in ``state_dict``.  Every tensor of ``state_dict`` must be in the checkpoint with its shape
-    (what the checkpoint has besides is ignored).  To load into a fresh optimizer, take its
-    state dict with ``torch.distributed.checkpoint.state_dict.get_state_dict(model, opt)``
-    (which makes the state) and apply it with ``set_state_dict`` after loading."""
+    (what the checkpoint has besides is ignored).  ``checkpoint_id`` may also be a file of
+    pretrained weights (``torch.save``'s, or ``.safetensors``) that every worker can read: each
+    reads it itself (``load(model.state_dict(), checkpoint_id="weights.pt")``), by dotted name.
+    To load into a fresh optimizer, take its state dict with
+    ``torch.distributed.checkpoint.state_dict.get_state_dict(model, opt)`` (which makes the
+    state) and apply it with ``set_state_dict`` after loading."""
     mesh, path = _prepare(state_dict, "load", checkpoint_id)
     for leaf in tree_flatten(state_dict)[0]:
         if type(leaf) is Tensor:

@@ -221,6 +221,8 @@ def load(tree, checkpoint_id: str, group, mesh: WorkerMesh):
 
 
 def _read(tree, checkpoint_id: str, group, mesh: WorkerMesh):
+    if os.path.isfile(checkpoint_id):
+        return _read_file(tree, checkpoint_id)
     if not os.path.exists(os.path.join(checkpoint_id, COMMIT_FILE)):
         what = "does not exist" if not os.path.isdir(checkpoint_id) else (
             f"has no {COMMIT_FILE}: it is not a complete checkpoint (the save writes it last, so a save that was "
@@ -254,6 +256,54 @@ def _read(tree, checkpoint_id: str, group, mesh: WorkerMesh):
         with torch.no_grad():
             x.copy_(buffer)
     return _without_tensors(loaded)
+
+
+def _dotted(path) -> str:
+    """A pytree key path as a state dict names it: ``model.0.weight``."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _flat_file(value, prefix: str = "") -> dict:
+    """A loaded file's nested dicts as {dotted key: value}."""
+    if isinstance(value, dict):
+        out: dict = {}
+        for k, v in value.items():
+            out.update(_flat_file(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def _read_file(tree, path: str):
+    """A pretrained file (``torch.save``'s, or ``.safetensors``) that this worker reads itself:
+    each tensor of ``tree`` gets the file's value of the same (dotted) name, in place."""
+    if path.endswith(".safetensors"):
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise ImportError(f"loading {path} needs the safetensors package on the workers") from None
+        loaded = load_file(path, device="cpu")
+    else:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    found = _flat_file(loaded)
+    pairs = [(_dotted(p), leaf) for p, leaf in tree_flatten_with_path(tree)[0]]
+    missing = [name for name, leaf in pairs if isinstance(leaf, torch.Tensor) and name not in found]
+    if missing:
+        raise KeyError(f"{path} has no {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
+                       f"({len(missing)} missing); it has {', '.join(list(found)[:5])} ...: the state dict's "
+                       f"names must be the file's (load model.state_dict() from a file of model.state_dict())")
+    for name, leaf in pairs:
+        if isinstance(leaf, torch.Tensor):
+            value = found[name]
+            if not isinstance(value, torch.Tensor) or value.shape != leaf.shape:
+                raise ValueError(f"{path}: {name} is {getattr(value, 'shape', type(value).__name__)} in the file "
+                                 f"and {tuple(leaf.shape)} in the state dict")
+            with torch.no_grad():
+                leaf.copy_(value)
+
+    def plain(p, leaf):
+        return None if isinstance(leaf, torch.Tensor) else found.get(_dotted(p), leaf)
+    from torch.utils._pytree import tree_map_with_path
+    return tree_map_with_path(plain, tree)
 
 
 def _dcp(fn, *args, checksums: bool = True, **kwargs):

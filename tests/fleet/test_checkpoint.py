@@ -270,3 +270,27 @@ def test_torchrun_restarts_the_job_after_a_worker_is_killed_and_it_resumes_bit_f
     assert sorted(got) == list(range(start, 30))
     assert all(got[s] == want[s] for s in got), (got, want)  # every digit of each float: bit for bit
     assert re.search(r"final loss (\S+)", after).group(1) == re.search(r"final loss (\S+)", plain).group(1)
+
+
+@pytest.mark.parametrize("kind", ["torch.save", "safetensors"])
+def test_pretrained_weights_from_a_file_every_worker_reads_move_no_bytes_through_the_client(mesh2x2, tmp_path, kind):
+    torch.manual_seed(1)
+    ref = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8))  # 0.5 MiB of weights
+    path = tmp_path / ("weights.pt" if kind == "torch.save" else "weights.safetensors")
+    if kind == "torch.save":
+        torch.save(ref.state_dict(), path)
+    else:
+        safetensors = pytest.importorskip("safetensors.torch")
+        safetensors.save_file(ref.state_dict(), str(path))
+    with mesh2x2.activate():
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 8))
+    outbox = mesh2x2.client.outbox
+    sent = outbox.bytes_sent
+    ckpt.load(model.state_dict(), checkpoint_id=path)
+    assert outbox.bytes_sent - sent < 64 * 1024  # the request, not the weights (0.5 MiB to each of 4 ranks)
+    for name, want in ref.state_dict().items():
+        assert all(torch.equal(v, want) for _, v in tdmesh.fetch_all(model.state_dict()[name]).result()), name
+    with mesh2x2.activate():
+        other = torch.nn.Linear(256, 4)
+    with pytest.raises(tdmesh.RemoteException, match=r"has no weight, bias .*names must be the file's"):
+        ckpt.load(other.state_dict(), checkpoint_id=path)
