@@ -172,8 +172,8 @@ class Client:
     def send_probe(self) -> None:
         """From the supervisor thread: probe progress if the user is not sending anything."""
         if self.lock.acquire(timeout=0.1):
-            try:
-                if not self.closed and self.failure is None and self._next_seq:
+            try:  # a coalescing block's messages stay held: the block's exit sends them
+                if not self.closed and self.failure is None and self._next_seq and not self._coalescing_held():
                     self._queue_probe(self._next_seq - 1)
                     self.flush()
             finally:

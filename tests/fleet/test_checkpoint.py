@@ -217,7 +217,7 @@ def _torchrun_resume(directory, *, kill_after: int | None) -> tuple[int, str]:
     """tutorials/08_resume.py under torchrun (2 CPU ranks, 2 restarts); ``kill_after``: SIGKILL
     the rank-1 worker once that step's loss is printed (torchrun then restarts the job)."""
     tag = uuid.uuid4().hex
-    env = dict(os.environ, TDMESH_DEVICE="cpu", OMP_NUM_THREADS="1", TDMESH_TEST_TAG=tag)
+    env = dict(os.environ, TDMESH_DEVICE="cpu", OMP_NUM_THREADS="1", CHECKPOINT_TEST_TAG=tag)
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              "--max-restarts", "2", "-m", "tdmesh.worker", TUTORIAL, "--dir", str(directory)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
@@ -241,7 +241,7 @@ def _worker_pid(tag: str, local_rank: int) -> int:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except OSError:
             continue
-        if f"TDMESH_TEST_TAG={tag}".encode() in env and f"LOCAL_RANK={local_rank}".encode() in env:
+        if f"CHECKPOINT_TEST_TAG={tag}".encode() in env and f"LOCAL_RANK={local_rank}".encode() in env:
             return int(pid)
     raise AssertionError(f"no worker of local rank {local_rank} found")
 

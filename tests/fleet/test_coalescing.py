@@ -144,3 +144,18 @@ def test_a_compiled_function_inside_a_block(mesh1):
         got = inspect(x)
     assert step.traces == 1
     assert torch.equal(got, torch.full((2,), 15.0))
+
+
+def test_the_supervisors_progress_probe_leaves_a_coalescing_block_held():
+    """The supervisor probes progress when the user is idle with work outstanding (every
+    ``progress_check_interval``); inside a block that probe must not send the block's messages
+    (CI once saw a shared mesh, idle past the interval, flush them mid-block)."""
+    quick = tdmesh.ControllerParams(progress_check_interval=0.05)
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, controller=quick, pool=False) as mesh, mesh.activate():
+        x = torch.zeros(3)
+        with tdmesh.coalescing():
+            for _ in range(10):
+                x = x + 1
+            time.sleep(1.0)  # twenty intervals
+            assert mesh.client.pending_messages() >= 10
+        assert torch.equal(inspect(x), torch.full((3,), 10.0))
