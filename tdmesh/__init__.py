@@ -6,6 +6,7 @@
 """
 
 from . import (
+    checkpoint,  # tdmesh.checkpoint.save / async_save / load
     pool,  # noqa: F401 - tdmesh.pool.clear()
     random,
 )
@@ -39,5 +40,5 @@ __all__ = [
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
     "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all",
     "show", "attach", "random", "UsageError", "ObjectHandle", "ObjectMethod", "set_log_level", "as_completed",
-    "LoggingLocation",
+    "LoggingLocation", "checkpoint",
 ]
