@@ -13,7 +13,8 @@ from tdmesh.config import cpu_forced, env_str
 # database, inductor compiles from an empty cache): collected first, so that pytest-xdist's
 # two processes (pytest.ini: --dist loadfile hands out whole files in collection order) start
 # them first and the many short files fill in beside them, instead of one long file last.
-LONG_FILES = ("test_compile_differential.py", "test_opinfo.py", "test_programs.py")
+LONG_FILES = ("test_compile_differential.py", "test_opinfo.py", "test_programs.py", "test_tutorials.py",
+              "test_checkpoint.py")
 
 
 def pytest_runtest_setup(item):
