@@ -313,7 +313,9 @@ def test_killed_client_takes_its_workers_along():
 def test_client_killed_while_its_workers_start_leaves_no_orphans():
     proc, pids = start_client("startup")  # the workers are still importing torch
     assert proc.wait(timeout=60) == -signal.SIGKILL
-    assert_no_worker_left(pids, within=10, zombie_is_gone=True)
+    # a worker watches its parent once its imports are done: on CI's loaded 2 cores (two test
+    # processes compiling beside it) importing torch took over 10 s once, so the bound is 30 s
+    assert_no_worker_left(pids, within=30, zombie_is_gone=True)
     finish(proc)
 
 
