@@ -60,11 +60,6 @@ class Tasks:
         for thread in threads:
             thread.join(timeout)
 
-    @property
-    def running(self) -> int:
-        with self._lock:
-            return len(self._threads)
-
 
 def _yield_cpu() -> None:
     """Background work gives way to the streams: this thread's scheduling priority drops to the
