@@ -25,7 +25,7 @@ from ..config import ControllerParams, SupervisionParams
 from ..errors import DeviceException, ProtocolError, ProtocolViolation, UsageError, call_site, frames, site_text
 from ..protocol import messages as m
 from ..protocol.schema import received_messages
-from ..protocol.transport import Connection, checksum, encode
+from ..protocol.transport import Connection, encode
 from . import coalescing
 from .debugging import Debugger
 from .future import Future
@@ -41,8 +41,7 @@ _BARE = (m.CallOp, m.CallRecording)
 # A coalescing block streams in batches of this size (~400 CallOps): the workers start on a long block
 # within milliseconds (256 KiB held ~6,500 back: slower than plain dispatch), ~100x fewer frames than ops.
 _COALESCED_BATCH_BYTES = 16 * 1024
-_dumps = pickle.dumps  # transport.encode, without the call: submit runs once per op
-_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_dumps, _PROTOCOL = pickle.dumps, pickle.HIGHEST_PROTOCOL  # transport.encode, without the call: once per op
 _monotonic = time.monotonic
 _FLUSH_INTERVAL = 0.002
 
@@ -138,11 +137,13 @@ class Client:
                 self._queue_deletes()
             if seq is not None:
                 self.history.add(seq, uses, defs, site if site is not None else call_site(), future)
-            # CallOps and CallRecordings travel as bare tuples (see messages.CallOp)
-            data = _dumps(tuple(msg) if type(msg) in _BARE else msg, _PROTOCOL)
             outbox = self.outbox
             found = outbox.known.get(id(ranks))  # Outbox.set_id's first lookup, inlined: once per op
-            outbox.append(found[1] if found is not None and found[0] is ranks else outbox.set_id(ranks), data)
+            set_id = found[1] if found is not None and found[0] is ranks else outbox.set_id(ranks)
+            if type(msg) is m.CallFunction:  # may carry an upload's bytes (dispatch.ship_local): sent from its memory
+                outbox.append_message(set_id, msg)
+            else:  # CallOps and CallRecordings travel as bare tuples (see messages.CallOp)
+                outbox.append(set_id, _dumps(tuple(msg) if type(msg) in _BARE else msg, _PROTOCOL))
             if seq is not None:
                 self._ops_since_probe += 1
                 if self._ops_since_probe >= self._probe_every:
@@ -243,16 +244,15 @@ class Client:
             self._last_flush = time.monotonic()
             if not self.outbox.log:
                 return
-            payload = self.outbox.take()
-            crc = checksum(payload)
+            parts, crc, bulk = self.outbox.take_frame()
             for key, conn in self.conns.items():
                 try:
-                    conn.send_payload(payload, crc)
+                    conn.send_parts(parts, crc, bulk)
                 except OSError as e:
                     # A dead process shows first as a broken pipe; the launcher's exit code
                     # or signal, when it comes within a moment, says more.
                     self._fail_fleet(self.info.lost(key, self.info.exit_reason() or f"sending to it failed: {e}"))
-            self.outbox.sent(len(payload), len(self.conns))
+            self.outbox.sent(sum(memoryview(p).nbytes for p in parts), len(self.conns))
 
     def _flush_loop(self) -> None:
         while not self.closed:

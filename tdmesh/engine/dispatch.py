@@ -272,9 +272,19 @@ def _on_meta(value):
 
 def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:
     """A copy of the local tensor ``data`` on every rank of ``mesh`` (``torch.tensor(python
-    data)`` under a mesh, ``tdmesh.to_mesh(local, mesh)``): its bytes travel with the op."""
-    device = mesh.client.device
-    data = data.detach().to("cpu", copy=True)  # its bytes travel; each worker copies to its device
+    data)`` under a mesh, ``tdmesh.to_mesh(local, mesh)``): its bytes travel with the op.
+
+    As torch's copy from pageable memory, the bytes are taken before this returns: a small
+    tensor's into the op's pickle, a big one's straight from its memory into the sockets (a
+    bulk frame, flushed here), so later writes to ``data`` never reach the mesh and no copy is
+    made of it here (a copy of fresh memory cost more than the transfer).  A recorder (a
+    compiled function being captured) keeps its messages for later: it gets a copy."""
+    client = mesh.client
+    device = client.device
+    direct = client.sink is client
+    data = data.detach()
+    if data.device.type != "cpu" or not direct:
+        data = data.to("cpu", copy=True)  # its bytes travel; each worker copies to its device
     if data.layout is torch.strided:
         data = data.contiguous()
     meta = tensor_meta(data)
@@ -284,7 +294,10 @@ def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:
         return m.CallFunction(seq, results, (), "tdmesh.worker.builtins.shipped", (pack_tensor(data), device), {},
                               stream.id)
 
-    return issue(mesh, build, outputs=[New(meta)], device=device, stream=stream)[0]
+    out = issue(mesh, build, outputs=[New(meta)], device=device, stream=stream)[0]
+    if direct and client.outbox.bulk:
+        client.flush()
+    return out
 
 
 _COPY = torch.ops.aten.copy_.default

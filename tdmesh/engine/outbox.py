@@ -6,14 +6,18 @@ the entries of its own rank sets.  So the client's work per op never depends on 
 ranks receive it, and its work per flush on how many children it has (at most the relay
 fan-out).  A rank set is defined on first use by an entry that describes it as slices (a
 mesh's own :class:`Slice`), so a frame never grows with the number of ranks either.
+A message's big buffers (an uploaded tensor's memory) are not copied into the log: they are
+sent from where they lie, as the bulk of a bulk frame (:mod:`tdmesh.protocol.transport`).
 """
 
 from __future__ import annotations
 
 import pickle
+import zlib
 
 from ..geometry.fanout import rank_set
-from ..protocol.transport import ALL_RANKS, DEFINE_SET, ENTRY
+from ..protocol.bulk import BulkFrame, big_buffers_into, bulk_parts
+from ..protocol.transport import ALL_RANKS, DEFINE_SET, ENTRY, buffers_entry
 
 __all__ = ["Outbox"]
 
@@ -24,7 +28,8 @@ _IDENTITY_CACHE = 4096
 class Outbox:
     def __init__(self, world: tuple[int, ...]) -> None:
         self.log: list[bytes] = []   # header, pickle, header, pickle ...
-        self.bytes = 0
+        self.bulk: list = []         # the big buffers the log's BUFFERS entries announce, in order
+        self.bytes = 0               # queued, bulk included
         self.frames = 0              # frames sent, over every child
         self.bytes_sent = 0          # their payloads' bytes
         self.known: dict[int, tuple[object, int]] = {}  # id(ranks) -> (ranks, set id): the hot path reads it
@@ -62,6 +67,24 @@ class Outbox:
         self.log.append(data)
         self.bytes += len(data)
 
+    def append_message(self, set_id: int, msg) -> None:
+        """``msg`` pickled here, its big PickleBuffers left out of the pickle (:meth:`append_with_buffers`)."""
+        buffers: list = []
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=big_buffers_into(buffers))
+        if buffers:
+            self.append_with_buffers(set_id, data, buffers)
+        else:
+            self.append(set_id, data)
+
+    def append_with_buffers(self, set_id: int, data: bytes, buffers: list) -> None:
+        """A message pickled with its big PickleBuffers ``buffers`` left out: they are sent
+        from their memory at the next flush, so it must not change before then."""
+        self.log.extend(buffers_entry(buffers))
+        raws = [b.raw() for b in buffers]
+        self.bulk.extend(raws)
+        self.bytes += sum(r.nbytes for r in raws)
+        self.append(set_id, data)
+
     def pending(self) -> int:
         """Messages (and rank set definitions) queued and not yet sent."""
         return len(self.log) // 2
@@ -70,8 +93,18 @@ class Outbox:
         self.frames += children
         self.bytes_sent += size * children
 
-    def take(self) -> bytes:
-        payload = b"".join(self.log)
+    def take(self) -> bytes | BulkFrame:
+        """The queued payload as one object (a copy of any bulk: for tests and tools)."""
+        parts, _, bulk = self.take_frame()
+        return BulkFrame(b"".join(bytes(p) for p in parts)) if bulk else parts[0]
+
+    def take_frame(self) -> tuple[list, int, bool]:
+        """The queued payload as (the pieces to send, the frame's checksum, whether it is a bulk frame)."""
+        structure = b"".join(self.log)
         self.log.clear()
         self.bytes = 0
-        return payload
+        if not self.bulk:
+            return [structure], zlib.crc32(structure), False
+        bulk, self.bulk = self.bulk, []
+        parts, checksum = bulk_parts(structure, bulk)
+        return parts, checksum, True

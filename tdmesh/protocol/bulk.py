@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterable
 
 from ..errors import ProtocolError
 
-__all__ = ["BULK_MAGIC", "OUT_OF_BAND", "BulkFrame", "big_buffers_into", "frame_parts", "covered", "split",
-           "take_block", "reader"]
+__all__ = ["BULK_MAGIC", "OUT_OF_BAND", "BulkFrame", "big_buffers_into", "frame_parts", "bulk_parts", "covered",
+           "split", "take_block", "reader"]
 
 BULK_MAGIC = b"TDMB"
 OUT_OF_BAND = 1 << 20  # PickleBuffers from this size on travel in a bulk frame's bulk, not inside their pickle
@@ -68,8 +68,15 @@ def frame_parts(msgs: Iterable, out_of_band: int = OUT_OF_BAND) -> tuple[bool, l
     messages = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     if not bulk:
         return False, [messages], zlib.crc32(messages)
+    parts, checksum = bulk_parts(messages, bulk)
+    return True, parts, checksum
+
+
+def bulk_parts(messages, bulk: list) -> tuple[list, int]:
+    """A bulk frame's payload as the pieces to send (its messages, then ``bulk``'s buffers from
+    where they lie) and its checksum, which covers the messages only."""
     head = _STRUCTURE.pack(len(messages))
-    return True, [head, messages, *bulk], zlib.crc32(messages, zlib.crc32(head))
+    return [head, messages, *bulk], zlib.crc32(messages, zlib.crc32(head))
 
 
 def covered(payload) -> memoryview:

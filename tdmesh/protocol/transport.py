@@ -7,6 +7,9 @@ outside the checksum (:mod:`tdmesh.protocol.bulk`).  Downstream (client -> worke
 *entries*, ``u32 rank set | u32 length | pickle``: the client pickles each message once and
 sends the same frame to every child (a worker, or a host's relay that forwards it unchanged),
 and each worker keeps the entries of the rank sets it belongs to (:class:`RankFilter`).  A
+message holding big buffers (an uploaded tensor's bytes) is one entry preceded by a
+``BUFFERS`` entry of their sizes; the frame is then a bulk frame whose bulk is those buffers,
+sent from the client's memory and read in place by the worker, as fetches are upstream.  A
 frame's size never depends on how many ranks receive it.  Relays also get control frames of
 their own (``RELAY_MAGIC``).  Frames over ``max_frame`` bytes or with a bad magic are refused:
 the peer is not one of ours.  A frame whose checksum does not match was damaged on its way and
@@ -28,12 +31,12 @@ from ..config import env_int
 from ..errors import ProtocolError
 from ..geometry.slice import Slice
 from . import messages as m
-from .bulk import BULK_MAGIC, BulkFrame, covered, frame_parts, reader, split, take_block
+from .bulk import BULK_MAGIC, BulkFrame, big_buffers_into, bulk_parts, covered, frame_parts, reader, split, take_block
 from .security import client_tls
 
 __all__ = ["MAGIC", "RELAY_MAGIC", "DEFAULT_MAX_FRAME", "Connection", "ProtocolError", "connect", "decode",
            "encode", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter", "decode_hello", "decode_restricted",
-           "hello_ranks", "checksum", "FRAME_HEADER"]
+           "hello_ranks", "checksum", "FRAME_HEADER", "BUFFERS", "buffers_entry"]
 
 MAGIC = b"TDM1"
 RELAY_MAGIC = b"TDMR"  # a frame for the relay itself (its configuration), not forwarded to workers
@@ -41,6 +44,7 @@ FRAME_HEADER = struct.Struct("!4sQI")  # magic, payload length, CRC-32 of the pa
 ENTRY = struct.Struct("!II")  # rank set id, length of the pickle that follows
 ALL_RANKS = 0                 # the rank set every rank belongs to
 DEFINE_SET = 0xFFFFFFFF       # an entry that defines a rank set: pickle of (id, tuple of Slices)
+BUFFERS = 0xFFFFFFFE          # u64 sizes of the next entry's out-of-band buffers, which lie in the frame's bulk
 DEFAULT_MAX_FRAME = env_int("TDMESH_MAX_FRAME")  # 16 GiB by default: a fetch of a big tensor is one frame
 
 
@@ -79,19 +83,37 @@ def decode(payload) -> Iterator:
         raise ProtocolError(f"{len(bulk) - taken} bytes of a frame's bulk belong to no message")
 
 
-def entries(msgs: Iterable, set_id: int = ALL_RANKS) -> bytes:
-    """``msgs`` as a downstream payload, every message for the rank set ``set_id``."""
-    out = []
+def entries(msgs: Iterable, set_id: int = ALL_RANKS, out_of_band: int | None = None) -> bytes | BulkFrame:
+    """``msgs`` as a downstream payload, every message for the rank set ``set_id``; with
+    ``out_of_band``, their PickleBuffers of that size or more travel in a bulk (a copy here:
+    the client's :class:`tdmesh.engine.outbox.Outbox` sends them from where they lie)."""
+    out: list = []
+    bulk: list = []
     for msg in msgs:
-        data = encode(msg)
+        buffers: list = []
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL,
+                            buffer_callback=None if out_of_band is None else big_buffers_into(buffers, out_of_band))
+        if buffers:
+            out.extend(buffers_entry(buffers))
+            bulk.extend(b.raw() for b in buffers)
         out.append(ENTRY.pack(set_id, len(data)))
         out.append(data)
-    return b"".join(out)
+    structure = b"".join(out)
+    if not bulk:
+        return structure
+    return BulkFrame(b"".join(bytes(p) for p in bulk_parts(structure, bulk)[0]))
+
+
+def buffers_entry(buffers: list) -> list[bytes]:
+    """The ``BUFFERS`` entry announcing ``buffers`` (PickleBuffers) for the entry after it."""
+    sizes = struct.pack(f"!{len(buffers)}Q", *(b.raw().nbytes for b in buffers))
+    return [ENTRY.pack(BUFFERS, len(sizes)), sizes]
 
 
 class RankFilter:
     """One rank's reading of downstream payloads: the messages of the rank sets it belongs to,
-    in order.  Entries for other ranks are skipped without being unpickled."""
+    in order.  Entries for other ranks are skipped without being unpickled; their out-of-band
+    buffers (in a bulk frame's bulk) are skipped too."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -99,24 +121,41 @@ class RankFilter:
 
     def messages(self, payload) -> list:
         out: list = []
-        end = len(payload)
-        view = memoryview(payload)
+        structure, bulk = split(payload)
+        end = len(structure)
+        view = memoryview(structure)
         unpack, size, member, loads = ENTRY.unpack_from, ENTRY.size, self.member, pickle.loads
-        pos = 0
+        pos = taken = 0
+        buffers: list | None = None  # announced by a BUFFERS entry, for the next entry
         try:
             while pos < end:
-                set_id, n = unpack(payload, pos)
+                set_id, n = unpack(structure, pos)
                 pos += size
                 if pos + n > end:
                     raise ProtocolError(f"an entry of {n} bytes at byte {pos} overruns a {end}-byte frame")
-                if set_id == DEFINE_SET:
+                if set_id == BUFFERS:
+                    if buffers is not None or n % 8:
+                        raise ProtocolError(f"a buffers entry at byte {pos} follows another or is not u64 sizes")
+                    buffers = []
+                    for length in struct.unpack_from(f"!{n // 8}Q", structure, pos):
+                        if taken + length > len(bulk):
+                            raise ProtocolError(f"an out-of-band buffer of {length} bytes overruns the frame's "
+                                                f"{len(bulk)}-byte bulk")
+                        buffers.append(bulk[taken:taken + length])
+                        taken += length
+                elif set_id == DEFINE_SET:
+                    if buffers is not None:
+                        raise ProtocolError(f"out-of-band buffers at byte {pos} precede a rank set definition")
                     defined, slices = loads(view[pos:pos + n])
                     if type(defined) is not int or type(slices) is not tuple or \
                             not all(type(s) is Slice for s in slices):
                         raise ProtocolError(f"a rank set definition at byte {pos} is not (int id, tuple of Slices)")
                     member[defined] = any(self.rank in s for s in slices)
-                elif member[set_id]:
-                    out.append(loads(view[pos:pos + n]))
+                else:
+                    if member[set_id]:
+                        out.append(loads(view[pos:pos + n]) if buffers is None else
+                                   loads(view[pos:pos + n], buffers=buffers))
+                    buffers = None
                 pos += n
         except KeyError as e:
             raise ProtocolError(f"an entry names rank set {e.args[0]}, which was never defined") from None
@@ -125,6 +164,10 @@ class RankFilter:
         except Exception as e:  # truncated or corrupt: the peer broke the protocol
             raise ProtocolError(f"undecodable entry at byte {pos} of a {end}-byte frame: "
                                 f"{type(e).__name__}: {e}") from e
+        if buffers is not None:
+            raise ProtocolError("a frame ends with out-of-band buffers that no message takes")
+        if taken != len(bulk):
+            raise ProtocolError(f"{len(bulk) - taken} bytes of a frame's bulk belong to no message")
         return out
 
 
@@ -194,6 +237,10 @@ class Connection:
         when a caller sending the same payload to many peers, or forwarding it, has it already."""
         self._send(BULK_MAGIC if type(payload) is BulkFrame else MAGIC, [payload],
                    zlib.crc32(covered(payload)) if checksum is None else checksum)
+
+    def send_parts(self, parts: list, checksum: int, bulk: bool) -> None:
+        """One frame whose payload is ``parts`` in order (a bulk frame's: :func:`tdmesh.protocol.bulk.bulk_parts`)."""
+        self._send(BULK_MAGIC if bulk else MAGIC, parts, checksum)
 
     def send_messages(self, msgs: Iterable) -> None:
         is_bulk, parts, checksum = frame_parts(msgs)

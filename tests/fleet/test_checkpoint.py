@@ -294,3 +294,25 @@ def test_pretrained_weights_from_a_file_every_worker_reads_move_no_bytes_through
         other = torch.nn.Linear(256, 4)
     with pytest.raises(tdmesh.RemoteException, match=r"has no weight, bias .*names must be the file's"):
         ckpt.load(other.state_dict(), checkpoint_id=path)
+
+
+def test_a_big_upload_is_taken_at_its_call_and_sent_once_to_each_child(mesh2x2):
+    """Local weights ship through bulk frames (sent from the tensor's own memory, read in place by
+    the workers): later writes to the local tensor never reach the mesh, as with torch's copy from
+    pageable memory, and the bytes go once to each child of the client (a host's relay)."""
+    with tdmesh.no_mesh.activate():
+        local = torch.randn(3, 1 << 19)  # 6 MiB
+        want = local.clone()
+    outbox = mesh2x2.client.outbox
+    sent = outbox.bytes_sent
+    with mesh2x2.activate():
+        shipped = torch.asarray(local)
+        local.add_(1)
+        param = torch.zeros(3, 1 << 19)
+        param.copy_(local)  # what load_state_dict of local weights does
+        local.add_(1)
+    uploaded = outbox.bytes_sent - sent
+    children = len(mesh2x2.client.conns)
+    assert 2 * local.nbytes * children <= uploaded < 2 * local.nbytes * children + (64 << 10)
+    for (_, a), (_, b) in zip(tdmesh.fetch_all(shipped).result(), tdmesh.fetch_all(param).result(), strict=True):
+        assert torch.equal(a, want) and torch.equal(b, want + 1)

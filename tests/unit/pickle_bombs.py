@@ -52,7 +52,11 @@ def upstream_bomb(payload: bytes) -> bool:
 
 def downstream_bomb(payload: bytes) -> bool:
     """A downstream payload (entries of ``u32 rank set | u32 length | pickle``) that would."""
+    from tdmesh.protocol.bulk import BulkFrame
     from tdmesh.protocol.transport import ENTRY
+    if type(payload) is BulkFrame:  # an upload's frame: its entries, then the bulk (never unpickled)
+        n = struct.unpack_from("!Q", payload)[0] if len(payload) >= 8 else 0
+        payload = bytes(payload[8:8 + n])
     pos = 0
     while pos + ENTRY.size <= len(payload):
         _, n = ENTRY.unpack_from(payload, pos)

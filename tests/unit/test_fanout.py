@@ -13,6 +13,7 @@ from tdmesh.engine.outbox import Outbox
 from tdmesh.geometry.fanout import RankList, rank_set, relay_children, relay_parents, subtree_hosts
 from tdmesh.geometry.slice import Slice
 from tdmesh.protocol import messages as m
+from tdmesh.protocol.bulk import BulkFrame, big_buffers_into
 from tdmesh.protocol.handshake import AuthenticationError, challenge, check_hello, join, welcome
 from tdmesh.protocol.relay import Relay
 from tdmesh.protocol.transport import Connection, RankFilter, connect, decode_hello
@@ -61,6 +62,46 @@ def test_every_rank_reads_exactly_the_messages_of_its_rank_sets_in_order(data):
     for rank in range(world):
         got = RankFilter(rank).messages(payload)
         assert got == [m.RequestStatus(i) for which, i in sent if rank in sets[which]]
+
+
+@given(st.data())
+@settings(max_examples=100, deadline=None)
+def test_every_rank_reads_its_uploads_bytes_and_skips_the_others(data):
+    """Messages with out-of-band buffers (an upload's tensor memory) among plain ones: each rank
+    gets the bytes of its own messages' buffers, whatever the others before them held."""
+    world = data.draw(st.integers(1, 12))
+    sets = [RankList(Slice.new_row_major([world]))] + [
+        data.draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world, unique=True)) for _ in range(3)]
+    outbox = Outbox(tuple(range(world)))
+    sent = []
+    for i in range(data.draw(st.integers(0, 12))):
+        which = data.draw(st.sampled_from(range(len(sets))))
+        blobs = [bytes([i % 256]) * data.draw(st.integers(1, 64)) for _ in range(data.draw(st.integers(0, 3)))]
+        msg = m.CallFunction(i, (), (), "f", tuple(pickle.PickleBuffer(bytearray(b)) for b in blobs), {})
+        buffers: list = []
+        pickled = pickle.dumps(msg, protocol=5, buffer_callback=big_buffers_into(buffers, 1))
+        if buffers:
+            outbox.append_with_buffers(outbox.set_id(sets[which]), pickled, buffers)
+        else:
+            outbox.put(sets[which], pickled)
+        sent.append((which, i, blobs))
+    payload = outbox.take()
+    assert (type(payload) is BulkFrame) == any(blobs for _, _, blobs in sent)
+    for rank in range(world):
+        got = [(msg.seq, [bytes(a) for a in msg.args]) for msg in RankFilter(rank).messages(payload)]
+        assert got == [(i, blobs) for which, i, blobs in sent if rank in sets[which]]
+
+
+def test_an_uploads_bytes_are_sent_from_where_they_lie():
+    outbox = Outbox((0,))
+    memory = bytearray(b"x" * 4096)
+    buffers: list = []
+    pickled = pickle.dumps(m.CallFunction(1, (), (), "f", (pickle.PickleBuffer(memory),), {}), protocol=5,
+                           buffer_callback=big_buffers_into(buffers, 1024))
+    outbox.append_with_buffers(0, pickled, buffers)
+    assert outbox.bytes == len(pickled) + len(memory)
+    parts, _, bulk = outbox.take_frame()
+    assert bulk and parts[-1].obj is memory and not outbox.bulk  # the caller's memory itself, not a copy
 
 
 def test_a_mesh_rank_set_is_defined_by_its_slice_so_frames_do_not_grow_with_ranks():

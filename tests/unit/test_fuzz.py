@@ -25,8 +25,19 @@ from tdmesh.errors import ProtocolError, ProtocolViolation
 from tdmesh.geometry.slice import Slice
 from tdmesh.protocol import messages as m
 from tdmesh.protocol import schema
+from tdmesh.protocol.arguments import PackedTensor
 from tdmesh.protocol.bulk import BulkFrame, covered, frame_parts
-from tdmesh.protocol.transport import DEFINE_SET, ENTRY, FRAME_HEADER, Connection, RankFilter, decode, encode, entries
+from tdmesh.protocol.transport import (
+    BUFFERS,
+    DEFINE_SET,
+    ENTRY,
+    FRAME_HEADER,
+    Connection,
+    RankFilter,
+    decode,
+    encode,
+    entries,
+)
 
 FUZZ = settings(max_examples=150, deadline=2000, database=None)
 WIRE_RECORDS = m.CLIENT_TO_WORKER + m.WORKER_TO_CLIENT + m.RELAY_CONTROL
@@ -236,6 +247,12 @@ def bulk_frame(msgs) -> BulkFrame:
 BULK = bulk_frame([SAMPLES[m.Status], m.FetchResult(7, (b"value", pickle.PickleBuffer(bytearray(BULK_VALUE))), None, 1),
                    SAMPLES[m.Heartbeat]])
 BULK_START = len(covered(BULK))  # where its bulk starts
+# an upload (dispatch.ship_local): the tensor's (here small) bytes travel in the bulk of a downstream frame
+UPLOAD = m.CallFunction(3, (9,), (), "tdmesh.worker.builtins.shipped",
+                        (PackedTensor("uint8", (len(BULK_VALUE),), pickle.PickleBuffer(bytearray(BULK_VALUE))),
+                         m.DeviceName("cpu")), {})
+DOWN_BULK = entries([SAMPLES[m.RequestStatus], UPLOAD, SAMPLES[m.RequestStatus]], out_of_band=16)
+DOWN_BULK_START = len(covered(DOWN_BULK))
 DOWNSTREAM_MESSAGES = [SAMPLES[cls] for cls in m.CLIENT_TO_WORKER] + [tuple(SAMPLES[m.CallOp])]
 DOWNSTREAM = entries(DOWNSTREAM_MESSAGES)
 UPSTREAM = b"".join(encode(SAMPLES[cls]) for cls in m.WORKER_TO_CLIENT)
@@ -261,6 +278,54 @@ def test_the_sample_frames_read_back_whole():
     assert (status, beat) == (SAMPLES[m.Status], SAMPLES[m.Heartbeat])
     assert fetched.value[0] == b"value" and bytes(fetched.value[1]) == BULK_VALUE
     assert fetched.value[1].obj is BULK  # a view of the frame, not a copy
+
+
+def test_an_uploads_bytes_arrive_as_a_writable_view_of_the_downstream_frame():
+    first, upload, last = worker_reads(DOWN_BULK)
+    assert first == last == SAMPLES[m.RequestStatus] and upload.function == UPLOAD.function
+    data = upload.args[0].data
+    assert bytes(data) == BULK_VALUE and data.obj is DOWN_BULK and not data.readonly  # in place, not a copy
+    assert DOWN_BULK_START + len(BULK_VALUE) == len(DOWN_BULK)
+
+
+def test_a_rank_that_an_upload_is_not_for_skips_its_bytes_and_reads_the_rest():
+    structure = bytes(covered(DOWN_BULK)[8:])
+    buffers_at = ENTRY.size + len(encode(SAMPLES[m.RequestStatus]))
+    n = ENTRY.unpack_from(structure, buffers_at)[1]
+    entry_at = buffers_at + ENTRY.size + n  # the upload's own entry: give it to rank set 1 (rank 1 only)
+    definition = pickle.dumps((1, (Slice(offset=1, sizes=(1,), strides=(1,)),)))
+    structure = (ENTRY.pack(DEFINE_SET, len(definition)) + definition + structure[:entry_at]
+                 + ENTRY.pack(1, ENTRY.unpack_from(structure, entry_at)[1]) + structure[entry_at + ENTRY.size:])
+    frame = BulkFrame(len(structure).to_bytes(8, "big") + structure + BULK_VALUE)
+    assert worker_reads(frame) == [SAMPLES[m.RequestStatus]] * 2
+    assert RankFilter(1).messages(frame)[1].args[0].data.tobytes() == BULK_VALUE
+
+
+@pytest.mark.parametrize("change", ["size", "left over", "no bulk", "twice", "last", "not sizes", "before a set"])
+def test_a_broken_upload_frame_is_refused(change):
+    structure = bytearray(covered(DOWN_BULK)[8:])
+    at = ENTRY.size + len(encode(SAMPLES[m.RequestStatus]))  # the BUFFERS entry: its header, one u64 size
+    assert ENTRY.unpack_from(structure, at) == (BUFFERS, 8)
+    announce = bytes(structure[at:at + ENTRY.size + 8])
+    bulk = BULK_VALUE
+    if change == "size":
+        structure[at + ENTRY.size:at + ENTRY.size + 8] = (1 << 40).to_bytes(8, "big")
+    elif change == "left over":
+        bulk += b"!"
+    elif change == "no bulk":
+        bulk = b""
+    elif change == "twice":
+        structure[at:at] = announce
+    elif change == "last":
+        structure += announce
+    elif change == "not sizes":
+        structure[at:at + ENTRY.size + 8] = ENTRY.pack(BUFFERS, 7) + b"\0" * 7  # 7 bytes are no u64 sizes
+    else:
+        definition = pickle.dumps((1, (Slice(offset=0, sizes=(1,), strides=(1,)),)))
+        structure[at + ENTRY.size + 8:at + ENTRY.size + 8] = ENTRY.pack(DEFINE_SET, len(definition)) + definition
+    frame = BulkFrame(len(structure).to_bytes(8, "big") + bytes(structure) + bulk)
+    with pytest.raises(ProtocolError, match="out-of-band|bulk|buffers entry"):
+        worker_reads(frame)
 
 
 @pytest.mark.parametrize("change", ["count", "size", "left over", "no bulk", "cut"])
@@ -322,7 +387,7 @@ def flipped(data, frame, end: int | None = None):
 @given(st.data())
 def test_flipped_bytes_give_only_protocol_errors(data):
     for frame, read, bomb in ((DOWNSTREAM, worker_reads, downstream_bomb), (UPSTREAM, client_reads, upstream_bomb),
-                              (BULK, client_reads, upstream_bomb)):
+                              (BULK, client_reads, upstream_bomb), (DOWN_BULK, worker_reads, downstream_bomb)):
         corrupt = flipped(data, frame)
         assume(not bomb(corrupt))
         only_protocol_errors(read, corrupt)
@@ -335,7 +400,7 @@ def test_a_frame_damaged_on_its_way_is_refused_before_it_is_unpickled(data):
     memo-bomb cases left out above included."""
     a, b = socket.socketpair()
     try:
-        for frame, end in ((DOWNSTREAM, None), (UPSTREAM, None), (BULK, BULK_START)):  # a bulk frame: its messages
+        for frame, end in ((DOWNSTREAM, None), (UPSTREAM, None), (BULK, BULK_START), (DOWN_BULK, DOWN_BULK_START)):
             Connection(a).send_payload(frame)
             header = b.recv(FRAME_HEADER.size, socket.MSG_WAITALL)
             body = b.recv(len(frame), socket.MSG_WAITALL)
@@ -407,7 +472,7 @@ def test_an_entry_of_the_wrong_length_is_refused(length):
 
 
 @FUZZ
-@given(st.integers(1, DEFINE_SET - 1))
+@given(st.integers(1, BUFFERS - 1))
 def test_an_entry_for_an_undefined_rank_set_is_refused(set_id):
     with pytest.raises(ProtocolError, match=f"rank set {set_id}, which was never defined"):
         worker_reads(entries([SAMPLES[m.RequestStatus]], set_id))
