@@ -172,7 +172,8 @@ def main(argv=None) -> None:
     try:
         with tdmesh.local_mesh(hosts=1, gpus_per_host=args.workers) as mesh:
             rows = bandwidth(mesh, args.mib, args.repeats, directory)
-            plain_s, overlap_s, overlapping, loop_s = training(mesh, args.size, args.steps, args.every, directory)
+            if args.steps:  # --steps 0: the bandwidth rows only
+                plain_s, overlap_s, overlapping, loop_s = training(mesh, args.size, args.steps, args.every, directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     gb = args.mib * 2**20 / 1e9
@@ -181,6 +182,8 @@ def main(argv=None) -> None:
     print(f"{'':12s} {'tdmesh':>14s} {'plain file':>14s} {'ratio':>7s}")
     for name, ours, plain in rows:
         print(f"{name:12s} {gb / ours:9.2f} GB/s {gb / plain:9.2f} GB/s {plain / ours:7.2f}x")
+    if not args.steps:
+        return
     print(f"\ntraining, {args.size} GPT compiled, {args.steps} steps, each step's loss fetched: "
           f"{plain_s * 1e3:.2f} ms a step without checkpoints; the {overlapping} steps that overlapped an "
           f"async save's writing: {overlap_s * 1e3:.2f} ms = {overlap_s / plain_s:.3f}x; the loop with a save "

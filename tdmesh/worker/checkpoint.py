@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from ..geometry.grouping import dims_rank
+from .checkpoint_reader import DirectReader
 from .mesh import WorkerMesh
 
 __all__ = ["save", "load", "LAYOUT_FILE", "COMMIT_FILE"]
@@ -246,12 +247,16 @@ def _read(tree, checkpoint_id: str, group, mesh: WorkerMesh):
             raise ValueError(f"tdmesh.checkpoint: {paths[i]} was saved per rank along {dims} of a mesh "
                              f"{layout['dims']}; this mesh is {dict(mesh.sizes)}: a per-rank tensor loads onto a mesh "
                              f"with those dims at those sizes (a tensor equal on every rank loads onto any mesh)")
-        buffer = x if x.device.type == "cpu" and not dims else torch.empty(x.shape, dtype=x.dtype)
+        # read into the tensor itself where DCP can (its own memory: no fresh pages; a GPU tensor
+        # through pinned staging buffers, checkpoint_reader); a GPU tensor saved per rank is stacked
+        # into a DTensor on a CPU mesh, so it is read on the host first
+        in_place = not dims or (x.device.type == "cpu" and x.is_contiguous())
+        buffer = x if in_place else torch.empty(x.shape, dtype=x.dtype)
         if buffer is not x:
             copies.append((x, buffer))
         targets[i] = _stacked(buffer, dims, mesh) if dims else buffer
     loaded = tree_unflatten(targets, spec)
-    _dcp(dcp.load, loaded, checkpoint_id=checkpoint_id, process_group=group)
+    _dcp(dcp.load, loaded, storage_reader=DirectReader(checkpoint_id), process_group=group)
     for x, buffer in copies:
         with torch.no_grad():
             x.copy_(buffer)
