@@ -71,7 +71,7 @@ def save(tree, checkpoint_id: str, group, mesh: WorkerMesh, task: int | None) ->
     def write() -> None:
         if copied is not None:
             copied.synchronize()  # the device-to-host copies, queued on the stream, have landed
-        _write(snapshot, paths, spec, checkpoint_id, group, mesh)
+        _write(snapshot, paths, spec, checkpoint_id, group, mesh, on_host=True)
     assert Interpreter.current is not None
     Interpreter.current.tasks.start(task, lambda: _in_turn(before, mine, write))
 
@@ -192,7 +192,10 @@ def _stacked(local: torch.Tensor, dims: list[str], mesh: WorkerMesh):
     return DTensor.from_local(chunk, _cpu_mesh(mesh), placements, run_check=False, shape=shape, stride=stride)
 
 
-def _write(leaves, paths, spec, checkpoint_id: str, group, mesh: WorkerMesh) -> None:
+def _write(leaves, paths, spec, checkpoint_id: str, group, mesh: WorkerMesh, on_host: bool = False) -> None:
+    """``on_host``: every tensor is in host memory already (an async save's snapshot), so DCP's
+    writer is told not to stage it through the GPU's current stream: its overlapping loader
+    synchronizes that stream (the training's, on a GPU worker) again and again."""
     leader = dist.get_rank(group) == 0
     if leader:  # an overwritten checkpoint stops being a complete one before any byte changes
         os.makedirs(checkpoint_id, exist_ok=True)
@@ -208,8 +211,8 @@ def _write(leaves, paths, spec, checkpoint_id: str, group, mesh: WorkerMesh) -> 
         layout = {"dims": dict(mesh.sizes), "per_rank": {paths[i]: d for i, d in per_rank.items() if d}}
         with open(os.path.join(checkpoint_id, LAYOUT_FILE), "w") as f:
             json.dump(layout, f, indent=1)
-    _dcp(dcp.save, tree_unflatten(values, spec), checkpoint_id=checkpoint_id, process_group=group,
-         checksums=False)
+    writer = dcp.FileSystemWriter(checkpoint_id, per_thread_copy_ahead=0 if on_host else 10_000_000)
+    _dcp(dcp.save, tree_unflatten(values, spec), storage_writer=writer, process_group=group, checksums=False)
 
 
 def load(tree, checkpoint_id: str, group, mesh: WorkerMesh):
