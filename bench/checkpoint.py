@@ -86,9 +86,10 @@ def bandwidth(mesh, mib: int, repeats: int, directory: str) -> list[tuple[str, f
             ("async call", rows["async call"], rows["plain write"]), ("load", rows["load"], rows["plain read"])]
 
 
-def training(mesh, size: str, steps: int, every: int, directory: str) -> tuple[float, float, int, float]:
+def training(mesh, size: str, steps: int, every: int, directory: str) -> tuple[float, float, int, float, list]:
     """(mean step seconds without checkpoints, mean of the steps that overlapped an async save's
-    writing, how many did, mean step seconds of the loop with a save every ``every`` steps)."""
+    writing, how many did, mean step seconds of the loop with a save every ``every`` steps, the
+    seconds each save waited for the one before it to end)."""
     import torch
 
     import tdmesh
@@ -116,27 +117,32 @@ def training(mesh, size: str, steps: int, every: int, directory: str) -> tuple[f
             loss = step(x, y)
         tdmesh.fetch_shard(loss).result()
 
+        waits: list[float] = []  # seconds a save waited for the one before it (saves that back up)
+
         def run(save: bool) -> tuple[list[float], list[bool]]:
             """Each step's seconds (its loss fetched, as a loop that logs it) and whether an
             async save was being written meanwhile; one save every ``every`` steps."""
-            times, overlapped, pending = [], [], None
+            times, overlapped, pending, saves = [], [], None, 0
             for i, (x, y) in enumerate(batches[3:]):
                 start = time.perf_counter()
                 loss = step(x, y)
                 if save and i % every == every // 2:
                     if pending is not None:
+                        waited = time.perf_counter()
                         pending.result()
+                        waits.append(time.perf_counter() - waited)
                     pending = ckpt.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
-                                              checkpoint_id=os.path.join(directory, f"train-{i % 2}"))
+                                              checkpoint_id=os.path.join(directory, f"train-{saves % 2}"))
+                    saves += 1
                 tdmesh.fetch_shard(loss).result()
                 times.append(time.perf_counter() - start)
                 overlapped.append(pending is not None and not pending.done())
             if pending is not None:
                 pending.result()
             return times, overlapped
-        # one save first, untimed: a GPU worker's first async save allocates the pinned host
-        # buffers of its copies (cudaHostAlloc, which stalls the worker's CUDA calls for a while);
-        # torch's pinned-memory cache hands them to every later save
+        # one save first, untimed: a worker's first save imports torch.distributed.checkpoint
+        # (2.6 s on the H200 host, on the writing thread, slowing the steps beside it), and a GPU
+        # worker's allocates the pinned host buffers of its copies, which torch's cache hands on
         ckpt.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
                         checkpoint_id=os.path.join(directory, "train-warm")).result()
         plain, _ = run(False)
@@ -144,7 +150,7 @@ def training(mesh, size: str, steps: int, every: int, directory: str) -> tuple[f
         plain_again, _ = run(False)  # the loop's own drift, bracketing the saving run
     base = statistics.mean(plain + plain_again)
     hit = [t for t, d in zip(saving, during) if d]
-    return base, statistics.mean(hit) if hit else base, len(hit), statistics.mean(saving)
+    return base, statistics.mean(hit) if hit else base, len(hit), statistics.mean(saving), waits
 
 
 
@@ -173,7 +179,8 @@ def main(argv=None) -> None:
         with tdmesh.local_mesh(hosts=1, gpus_per_host=args.workers) as mesh:
             rows = bandwidth(mesh, args.mib, args.repeats, directory)
             if args.steps:  # --steps 0: the bandwidth rows only
-                plain_s, overlap_s, overlapping, loop_s = training(mesh, args.size, args.steps, args.every, directory)
+                plain_s, overlap_s, overlapping, loop_s, waits = training(mesh, args.size, args.steps, args.every,
+                                                                          directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     gb = args.mib * 2**20 / 1e9
@@ -187,7 +194,9 @@ def main(argv=None) -> None:
     print(f"\ntraining, {args.size} GPT compiled, {args.steps} steps, each step's loss fetched: "
           f"{plain_s * 1e3:.2f} ms a step without checkpoints; the {overlapping} steps that overlapped an "
           f"async save's writing: {overlap_s * 1e3:.2f} ms = {overlap_s / plain_s:.3f}x; the loop with a save "
-          f"every {args.every} steps: {loop_s * 1e3:.2f} ms a step = {loop_s / plain_s:.3f}x")
+          f"every {args.every} steps: {loop_s * 1e3:.2f} ms a step = {loop_s / plain_s:.3f}x; its saves waited "
+          f"{sum(waits) * 1e3:.0f} ms in all for the one before to end"
+          + (" (saves this close back up: space them further)" if sum(waits) > 0.01 else ""))
 
 
 if __name__ == "__main__":
