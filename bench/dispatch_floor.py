@@ -26,22 +26,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import helpers as h  # noqa: E402
-
-
-def _best(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _wrappers():
@@ -96,7 +85,7 @@ def main(argv=None) -> int:
             x = x0
             for _ in range(n):
                 x = ones + x
-        rows.append((name, _best(loop, args.repeats)))
+        rows.append((name, h.best_after_warmup(loop, args.repeats)))
     with tdmesh.local_mesh(hosts=1, gpus_per_host=1, pool=False) as mesh, mesh.activate():
         ones = torch.ones(100, 100)
 
@@ -111,20 +100,20 @@ def main(argv=None) -> int:
         x = adds()
         try:
             mode.__torch_dispatch__ = lambda self, func, types, args=(), kwargs=None: x  # type: ignore[method-assign]
-            rows.append(("tdmesh's own, empty", _best(adds, args.repeats)))
+            rows.append(("tdmesh's own, empty", h.best_after_warmup(adds, args.repeats)))
             mode.__torch_dispatch__ = lambda self, func, types, args=(), kwargs=None: new_proxy(  # type: ignore
                 x._meta, x.device, x._mesh, x._r.id, x._r.aliases, x._stream)
-            rows.append(("tdmesh's own, new", _best(adds, args.repeats)))
+            rows.append(("tdmesh's own, new", h.best_after_warmup(adds, args.repeats)))
         finally:
             mode.__torch_dispatch__ = handler  # type: ignore[method-assign]
-        rows.append(("tdmesh", _best(adds, args.repeats)))
+        rows.append(("tdmesh", h.best_after_warmup(adds, args.repeats)))
         tdmesh.fetch_shard(adds()).result()
         captured = errors.call_site
         import tdmesh.engine.client as client_module
         import tdmesh.engine.issue as issue_module
         try:
             issue_module.call_site = client_module.call_site = lambda skip=0: []  # type: ignore[assignment]
-            rows.append(("tdmesh, no site", _best(adds, args.repeats)))
+            rows.append(("tdmesh, no site", h.best_after_warmup(adds, args.repeats)))
         finally:
             issue_module.call_site = client_module.call_site = captured  # type: ignore[assignment]
         tdmesh.fetch_shard(adds()).result()

@@ -26,7 +26,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,16 +78,6 @@ def blob_server() -> None:
         conn.sendall((ctypes.c_char * size).from_address(t.data_ptr()))
 
 
-def _best(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def floor_seconds(sizes: list[int], repeats: int) -> dict[int, float]:
     env = dict(os.environ, PYTHONPATH=h.REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-c", "import bench.fetch as f; f.blob_server()"],
@@ -101,7 +90,7 @@ def floor_seconds(sizes: list[int], repeats: int) -> dict[int, float]:
             sock.sendall(_SIZE.pack(size))
             header, data = bytearray(_SIZE.size), bytearray(size)  # a fresh buffer, as a fetch reads into
             assert _recv_into(sock, header) and _recv_into(sock, data) and _SIZE.unpack(header)[0] == size
-        return {size: _best(lambda size=size: fetch(size), repeats) for size in sizes}
+        return {size: h.best_after_warmup(lambda size=size: fetch(size), repeats) for size in sizes}
     finally:
         sock.close()
         proc.wait(timeout=30)
@@ -118,13 +107,14 @@ def fetch_seconds(workers: int, sizes: list[int], repeats: int, device: str) -> 
             t = torch.arange(size // 4, dtype=torch.float32)
             check = tdmesh.fetch_shard(t).result()
             assert check.device.type == "cpu" and check.numel() == size // 4 and float(check[-1]) == size // 4 - 1
-            out[size] = _best(lambda t=t: tdmesh.fetch_shard(t).result(), repeats)
+            out[size] = h.best_after_warmup(lambda t=t: tdmesh.fetch_shard(t).result(), repeats)
             if workers == 1:
                 with tdmesh.no_mesh.activate():
                     local = torch.arange(size // 4, dtype=torch.float32)
                 arrived = tdmesh.fetch_shard(torch.asarray(local)[-1:]).result()
                 assert float(arrived[0]) == size // 4 - 1
-                up[size] = _best(lambda local=local: tdmesh.fetch_shard(torch.asarray(local)[-1:]).result(), repeats)
+                up[size] = h.best_after_warmup(
+                    lambda local=local: tdmesh.fetch_shard(torch.asarray(local)[-1:]).result(), repeats)
     return out, up
 
 
@@ -155,7 +145,7 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         for size in sizes:
             t = torch.ones(size // 4, device="cuda")
-            d2h[size] = _best(lambda t=t: (t.cpu(), torch.cuda.synchronize()), repeats)
+            d2h[size] = h.best_after_warmup(lambda t=t: (t.cpu(), torch.cuda.synchronize()), repeats)
     rows = []
     for size in sizes:
         row = [f"{size // MIB} MiB", f"{floor[size] * 1e3:.1f} ms ({size / floor[size] / 2**30:.2f} GiB/s)"]

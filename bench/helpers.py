@@ -60,6 +60,12 @@ def repeat(fn: Callable[[], object], repeats: int) -> list[float]:
     return times
 
 
+def best_after_warmup(fn: Callable[[], object], repeats: int) -> float:
+    """The fewest seconds of ``repeats`` calls of ``fn``, after one untimed call (the warm-up)."""
+    fn()
+    return min(repeat(fn, repeats))
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile, ``q`` in [0, 100]."""
     s = sorted(values)
