@@ -14,9 +14,9 @@ a checkpoint without it was cut off and never loads.
 An async save copies each rank's tensors at the call, in stream order (so later in-place
 updates do not reach the checkpoint), then writes on a background task
 (``tdmesh.worker.tasks``); writes of one worker run one after another, in the order called.
-DCP is imported by the write and the read, not with this module: importing it took ~2.8 s on
-the H200 host, which a first async save paid on the stream thread (its first training step
-after the call took that long) and now pays on the writing thread.
+DCP is imported by the write and the read, not with this module: importing it took 2.6 s on
+the H200 host, which a first async save paid on the stream thread (the training step after the
+call took 2.8 s) and now pays on the writing thread (the next ~10 steps share it).
 """
 
 from __future__ import annotations
