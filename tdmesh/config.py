@@ -60,6 +60,7 @@ VARIABLES = {
     "TDMESH_MAX_ITEMS": (str(1 << 22), "entries of the largest tuple or dict field of a message (refs, arguments); "
                                        "a larger one ends the sender's session"),
     "TDMESH_TEST_MESH": ("2x2", "tests only: HOSTSxGPUS, the mesh of the collective and stream suites"),
+    "TDMESH_TEST_TIMEOUT": ("600", "tests only: seconds a test may run before it fails with its stacks (0: none)"),
     "TDMESH_DIFFERENTIAL_EXAMPLES": ("300", "tests only: examples of the eager-vs-compiled differential test"),
     "TDMESH_DIFFERENTIAL_SEED": ("26", "tests only: hypothesis's seed for the differential test"),
 }

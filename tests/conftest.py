@@ -4,6 +4,7 @@ import re
 import hypothesis
 import pytest
 import torch
+from _watchdog import pytest_runtest_protocol, pytest_unconfigure  # noqa: F401  (hooks: time limits)
 from hypothesis._settings import is_in_ci as hypothesis_in_ci
 
 import tdmesh

@@ -160,6 +160,7 @@ def mesh1x2():
         yield mesh
 
 
+@pytest.mark.time_limit(max(600, 3 * EXAMPLES))  # ~0.5 s an example on 2 cores; a hang fails (tests/_watchdog.py)
 @seed(SEED)
 @settings(max_examples=EXAMPLES, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -1,0 +1,70 @@
+"""A time limit on every test, so that a hung test fails with the stacks of its threads
+instead of holding CI until its 90 minutes run out (one did: every other result was lost).
+
+The limit is ``TDMESH_TEST_TIMEOUT`` seconds (default 600; the slowest test takes about four
+minutes on two cores); a test may raise its own with ``@pytest.mark.time_limit(seconds)``.
+At the limit SIGALRM fails the test where it waits -- its fixtures' teardowns still run, so
+its fleet is shut down -- and the failure's text carries every thread's stack.  If that
+cannot happen (the main thread stuck in C code that never returns to Python), faulthandler
+dumps the stacks two minutes later and ends the xdist process, which pytest-xdist reports as
+a crashed test and replaces."""
+
+from __future__ import annotations
+
+import faulthandler
+import signal
+import sys
+import threading
+import traceback
+
+import pytest
+
+from tdmesh.config import env_float
+
+HARD_EXIT_GRACE_S = 120.0
+
+
+def stacks_of_every_thread() -> str:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"--- thread {names.get(ident, ident)} ---\n" + "".join(traceback.format_stack(frame, limit=30)))
+    return "\n".join(parts)
+
+
+def limit_of(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("time_limit")
+    if marker is not None:
+        return float(marker.args[0])
+    return env_float("TDMESH_TEST_TIMEOUT")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    limit = limit_of(item)
+    if limit <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        stacks = stacks_of_every_thread()
+        sys.stderr.write(f"\n{item.nodeid} ran past its {limit:g} s limit; the stacks:\n{stacks}\n")
+        pytest.fail(f"{item.nodeid} ran past its {limit:g} s time limit (TDMESH_TEST_TIMEOUT or "
+                    f"@pytest.mark.time_limit); every thread's stack when it was stopped:\n{stacks}",
+                    pytrace=False)
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    faulthandler.dump_traceback_later(limit + HARD_EXIT_GRACE_S, exit=True)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_unconfigure(config) -> None:
+    """The way out after the last test (atexit handlers, the warm pool's shutdown): a process
+    still there two minutes on dumps its stacks and exits with status 1."""
+    faulthandler.dump_traceback_later(HARD_EXIT_GRACE_S, exit=True)
