@@ -300,6 +300,98 @@ def data_parallel_step(model, opt, mesh, bf16: bool = False, set_to_none: bool =
     return step
 
 
+def overlapped_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = True, buckets: int = 4,
+                    how: str = "generator"):
+    """``data_parallel_step`` with the gradients averaged bucket by bucket while backward runs,
+    as DDP does: each bucket (about ``1/buckets`` of the gradient bytes, in the order backward
+    completes them) is one flat buffer whose views are its parameters' ``.grad``; once its last
+    gradient is in, the buffer is lent to a second stream and averaged there, so the workers
+    reduce it while they compute the rest of backward (one borrow and one collective a bucket,
+    not one a gradient).  ``how``: ``"generator"`` iterates ``tdmesh.grad_generator``;
+    ``"hooks"`` runs torch's own backward with a post-accumulate-grad hook per parameter.
+    ``set_to_none``: ``opt.zero_grad``'s; a new gradient is copied into its view (with kept
+    gradients backward accumulates into the views themselves)."""
+    import torch
+
+    import tdmesh
+    params = [p for p in model.parameters() if p.requires_grad]
+    comms = tdmesh.Stream("grad_reduce")
+    plan: dict = {}
+
+    def make_plan(loss) -> None:
+        order = [params[i] for i in tdmesh.gradient_execution_order(loss, params)]
+        total = sum(p.numel() * p.element_size() for p in order)
+        groups: list[list] = [[]]
+        size = 0
+        for p in order:
+            if size >= total / buckets and len(groups) < buckets:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += p.numel() * p.element_size()
+        flats, views = [], {}
+        for group in groups:
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype)
+            offset = 0
+            for p in group:
+                views[id(p)] = flat[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
+            flats.append(flat)
+        plan.update(order=order, groups=groups, flats=flats, views=views,
+                    bucket_of={id(p): k for k, group in enumerate(groups) for p in group})
+
+    def into_view(p, g) -> None:
+        view = plan["views"][id(p)]
+        if g is not view:
+            with torch.no_grad():
+                view.copy_(g)
+            p.grad = view
+
+    def reduce_on_comms(k: int, lent: list) -> None:
+        borrowed, borrow = comms.borrow(plan["flats"][k], mutable=True)
+        lent.append(borrow)
+        with comms.activate():
+            borrowed.reduce_(mesh.names, "avg")
+
+    def step(x, y):
+        with torch.autocast(mesh.device_type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x, y)
+        opt.zero_grad(set_to_none=set_to_none)
+        if not plan:  # the order backward completes the gradients: the same every step
+            make_plan(loss)
+        lent: list = []
+        arrived = [0] * len(plan["groups"])
+
+        def arrive(p) -> None:
+            k = plan["bucket_of"][id(p)]
+            arrived[k] += 1
+            if arrived[k] == len(plan["groups"][k]):
+                reduce_on_comms(k, lent)
+        if how == "generator":
+            for p, g in zip(plan["order"], tdmesh.grad_generator(loss, plan["order"])):
+                if g is not None:  # (None: not reached from the loss)
+                    into_view(p, g if p.grad is None else p.grad + g)
+                arrive(p)
+        else:
+            def hook(p) -> None:  # torch's engine may complete a bucket's gradients in another order
+                into_view(p, p.grad)
+                arrive(p)
+            handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+            try:
+                loss.backward()
+            finally:
+                for h in handles:
+                    h.remove()
+            for k in range(len(plan["groups"])):  # a bucket with a parameter backward did not reach
+                if 0 < arrived[k] < len(plan["groups"][k]):
+                    reduce_on_comms(k, lent)
+        for borrow in lent:
+            borrow.drop()
+        opt.step()
+        return loss.detach()
+    return step
+
+
 # ---------------------------------------------------------------------------- checkpoint baseline
 def plain_write(tensors, directory: str, rank) -> None:
     """Runs on a worker: ``tensors``' bytes into one file of this rank, written and fsynced as

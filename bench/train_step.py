@@ -45,6 +45,11 @@ def main(argv=None) -> None:
     p.add_argument("--keep-grads", action="store_true",
                    help="zero_grad(set_to_none=False): the same gradient tensors every step (default: torch's "
                         "default, new gradients every step, which a compiled step rewrites as its state)")
+    p.add_argument("--overlap", action="store_true",
+                   help="also the eager step with gradients reduced bucket by bucket while backward runs, on a "
+                        "second stream: through tdmesh.grad_generator and through post-accumulate-grad hooks")
+    p.add_argument("--buckets", type=int, default=4, help="buckets of --overlap's reduction")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of --overlap's alternating measurement")
     args = p.parse_args(argv)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if args.device == "cpu":
@@ -67,7 +72,7 @@ def main(argv=None) -> None:
     import torch
 
     import tdmesh
-    from bench.helpers import OpCounter, count_kernels, data_parallel_step, train_optimizer
+    from bench.helpers import OpCounter, count_kernels, data_parallel_step, overlapped_step, train_optimizer
 
     from nanogpt import GPT, sized
     train = __import__("runpy").run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
@@ -78,12 +83,15 @@ def main(argv=None) -> None:
         data = torch.tensor(tokens)
         rank = mesh.rank(mesh.names)
 
-        def fresh():
+        def fresh(overlap: str | None = None):
             """A new model and optimizer (the same initial weights as the DDP run) and its step,
             written as a user writes it: torch's default zero_grad (new gradients each step)."""
             tdmesh.random.set_manual_seed_remote(0)
             model = GPT(cfg)
             opt = train_optimizer(model.parameters(), mesh.device_type == "cuda")
+            if overlap is not None:
+                return overlapped_step(model, opt, mesh, args.dtype == "bf16", set_to_none=not args.keep_grads,
+                                       buckets=args.buckets, how=overlap)
             return data_parallel_step(model, opt, mesh, args.dtype == "bf16", set_to_none=not args.keep_grads)
 
         issue_s: dict = {}
@@ -115,6 +123,18 @@ def main(argv=None) -> None:
             with tdmesh.profile(tempfile.mkdtemp()) as traces:
                 step(x, y)
             kernels = count_kernels(os.path.join(traces, "rank0.trace.json"))
+        overlapped: dict = {}
+        if args.overlap:  # rounds of --steps steps, the three variants in turn (this VM's noise is
+            # larger than the difference): each its own fresh model, trained the same steps
+            steps_of = {how: fresh(how if how != "eager" else None) for how in ("eager", "generator", "hooks")}
+            for fn in steps_of.values():
+                for i in range(SETUP_STEPS):
+                    loss = fn(*batch(data, args.batch_size, cfg.block_size, rank, i))
+                tdmesh.fetch_shard(loss).result()
+            for _ in range(args.rounds):
+                for how, fn in steps_of.items():
+                    step_s, final_o = timed(fn, SETUP_STEPS)
+                    overlapped.setdefault(how, []).append((step_s, final_o, issue_s[fn]))
         # compiled variants, each continuing the training: a generated program per worker, and on
         # CUDA that program captured as a CUDA graph; the first two calls (trace, definition,
         # warm-up and capture) are timed apart from the steps
@@ -146,6 +166,14 @@ def main(argv=None) -> None:
               f"{ddp_s / float(ro[1]):.3f}x")
     print(f"  tdmesh         : {ours_s * 1e3:9.2f} ms/step   ({final:.4f} final loss; the client issues a step "
           f"in {issue_s[step] * 1e3:.2f} ms)")
+    if overlapped:
+        print(f"  --overlap, {args.rounds} rounds of {args.steps} steps in turn, median step (and issue) time; "
+              f"{args.buckets} buckets reduced on a second stream while backward runs:")
+        median = {how: sorted(rows)[len(rows) // 2] for how, rows in overlapped.items()}
+        for how, (step_s, _, issue_o) in median.items():
+            rounds = " ".join(f"{r[0] * 1e3:.2f}" for r in overlapped[how])
+            print(f"    {how:<10}: {step_s * 1e3:7.2f} ms/step ({issue_o * 1e3:.2f} ms issue; rounds {rounds}; "
+                  f"final loss {overlapped[how][-1][1]:.4f})  eager/this {median['eager'][0] / step_s:.3f}x")
     for label, step_s, final_c, issue_c, setup_s in compiled:
         print(f"  {label:<15}: {step_s * 1e3:9.2f} ms/step   ({final_c:.4f} final loss; issued in "
               f"{issue_c * 1e3:.2f} ms; first {SETUP_STEPS} steps incl. trace + capture {setup_s:.1f} s)  DDP/this "

@@ -23,6 +23,7 @@ from .engine.tensor import Tensor
 from .errors import DeviceException, PlacementError, RemoteException, TdmeshError, UsageError
 from .geometry.shape import Shape, UnknownDimError
 from .geometry.slice import Slice
+from .gradients import grad_function, grad_generator, gradient_execution_order
 from .launcher import LoggingLocation, attach, local_mesh, local_meshes, restart_count, world_mesh
 from .logs import set_log_level
 from .mesh import DeviceMesh, RemoteProcessGroup
@@ -40,5 +41,5 @@ __all__ = [
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
     "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all",
     "show", "attach", "random", "UsageError", "ObjectHandle", "ObjectMethod", "set_log_level", "as_completed",
-    "LoggingLocation", "checkpoint",
+    "LoggingLocation", "checkpoint", "grad_generator", "grad_function", "gradient_execution_order",
 ]

@@ -21,6 +21,7 @@ from torch.utils._device import DeviceContext, _device_constructors
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 
 from ..errors import UsageError, user_line
+from .autograd_context import note_context
 from .context import active_mesh, active_mesh_or_none
 from .dispatch import MESH_MODE, ship_local
 from .tensor import Tensor
@@ -56,6 +57,7 @@ class Activation:
             self._device_ctx.__enter__()
         _enter_mode()
         self._active = True
+        note_context()
 
     def __enter__(self):
         return self._mesh
@@ -74,6 +76,7 @@ class Activation:
             _client_device.reset(self._device_token)
         active_mesh.reset(self._token)
         _innermost.reset(self._innermost_token)
+        note_context()
 
 
 def deactivate(mesh) -> None:

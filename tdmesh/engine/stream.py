@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+from collections.abc import Callable
 
 __all__ = ["Stream", "StreamActivation", "DEFAULT_STREAM", "get_active_stream"]
 
@@ -37,6 +38,8 @@ class Stream:
 
 DEFAULT_STREAM = Stream("main", _default=True)
 _active_stream: contextvars.ContextVar = contextvars.ContextVar("tdmesh_active_stream", default=DEFAULT_STREAM)
+# called after each change of the active stream (tdmesh.engine.autograd_context notes it for backward)
+on_change: list[Callable[[], None]] = []
 
 
 def get_active_stream() -> Stream:
@@ -49,6 +52,8 @@ class StreamActivation:
         self._stream = stream
         self._token = _active_stream.set(stream)
         self._active = True
+        for note in on_change:
+            note()
 
     def __enter__(self) -> Stream:
         return self._stream
@@ -57,3 +62,5 @@ class StreamActivation:
         if self._active:
             self._active = False
             _active_stream.reset(self._token)
+            for note in on_change:
+                note()

@@ -1,0 +1,66 @@
+"""The mesh and stream each autograd node's forward ran under, for incremental backward.
+
+``tdmesh.grad_generator`` runs each backward node under the mesh and stream its forward op
+ran on (a pipeline's stages, a side stream's ops).  Autograd numbers its nodes in the order
+the forward makes them (per thread: ``sequence_nr``), so the context of a node is that of the
+range of numbers it falls in: every activation or deactivation of a mesh or a stream notes
+the number where the new context begins.  That is one list entry per context switch that had
+nodes made under it (switches with no node in between overwrite each other), nothing per op.
+The lists keep the newest ``MAX_RANGES`` ranges; an older node's context is not known, and
+the generator takes it from the gradients the node receives instead.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+from torch._C._autograd import _get_sequence_nr
+
+from . import stream as _stream
+from .context import active_mesh
+from .stream import DEFAULT_STREAM, get_active_stream
+
+__all__ = ["note_context", "forward_context"]
+
+MAX_RANGES = 1 << 16
+
+
+class _Ranges(threading.local):
+    def __init__(self) -> None:
+        self.starts: list[int] = [0]  # the first sequence_nr of each range...
+        self.contexts: list[tuple] = [(None, DEFAULT_STREAM)]  # ...and its (mesh, stream)
+
+
+_ranges = _Ranges()
+
+
+def note_context() -> None:
+    """The context in effect from now on (called after each mesh or stream activation change)."""
+    now = _get_sequence_nr()
+    context = (active_mesh.get(), get_active_stream())
+    r = _ranges
+    if r.starts[-1] == now:  # no node made since the last change: that context never held one
+        r.contexts[-1] = context
+        if len(r.starts) > 1 and r.contexts[-2] == context:
+            del r.starts[-1], r.contexts[-1]
+        return
+    if r.contexts[-1] == context:
+        return
+    r.starts.append(now)
+    r.contexts.append(context)
+    if len(r.starts) > MAX_RANGES:
+        del r.starts[: MAX_RANGES // 2], r.contexts[: MAX_RANGES // 2]
+
+
+def forward_context(sequence_nr: int) -> tuple | None:
+    """``(mesh or None, stream)`` active when node ``sequence_nr`` was made on this thread; None
+    when that is older than the ranges kept."""
+    r = _ranges
+    i = bisect.bisect_right(r.starts, sequence_nr) - 1
+    if i < 0:
+        return None
+    return r.contexts[i]
+
+
+_stream.on_change.append(note_context)
