@@ -59,6 +59,8 @@ VARIABLES = {
                                       "traceback); a longer one ends the sender's session"),
     "TDMESH_MAX_ITEMS": (str(1 << 22), "entries of the largest tuple or dict field of a message (refs, arguments); "
                                        "a larger one ends the sender's session"),
+    "TDMESH_STACKS_DIR": ("", "a directory where each worker writes its stacks on SIGUSR1 (stacks-PID.txt); "
+                              "empty: to its stderr"),
     "TDMESH_TEST_MESH": ("2x2", "tests only: HOSTSxGPUS, the mesh of the collective and stream suites"),
     "TDMESH_TEST_TIMEOUT": ("600", "tests only: seconds a test may run before it fails with its stacks (0: none)"),
     "TDMESH_DIFFERENTIAL_EXAMPLES": ("300", "tests only: examples of the eager-vs-compiled differential test"),

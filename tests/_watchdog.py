@@ -4,7 +4,9 @@ instead of holding CI until its 90 minutes run out (one did: every other result 
 The limit is ``TDMESH_TEST_TIMEOUT`` seconds (default 600; the slowest test takes about four
 minutes on two cores); a test may raise its own with ``@pytest.mark.time_limit(seconds)``.
 At the limit SIGALRM fails the test where it waits -- its fixtures' teardowns still run, so
-its fleet is shut down -- and the failure's text carries every thread's stack.  If that
+its fleet is shut down -- and the failure's text carries every thread's stack, and those of
+the test's worker processes (each writes them on SIGUSR1 into ``TDMESH_STACKS_DIR``, which
+this module sets for the whole run).  If that
 cannot happen (the main thread stuck in C code that never returns to Python), faulthandler
 dumps the stacks two minutes later and ends the xdist process, which pytest-xdist reports as
 a crashed test and replaces."""
@@ -12,9 +14,12 @@ a crashed test and replaces."""
 from __future__ import annotations
 
 import faulthandler
+import os
 import signal
 import sys
+import tempfile
 import threading
+import time
 import traceback
 
 import pytest
@@ -22,6 +27,49 @@ import pytest
 from tdmesh.config import env_float
 
 HARD_EXIT_GRACE_S = 120.0
+STACKS_DIR = os.environ.setdefault("TDMESH_STACKS_DIR", tempfile.mkdtemp(prefix="tdmesh-stacks-"))
+
+
+def _descendants(root: int) -> list[int]:
+    """The pids below ``root`` (Linux /proc; none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+    except OSError:
+        return []
+    out, pending = [], [root]
+    while pending:
+        for pid in children.get(pending.pop(), []):
+            out.append(pid)
+            pending.append(pid)
+    return out
+
+
+def stacks_of_workers() -> str:
+    """Every worker process below this one, asked for its stacks (SIGUSR1; tdmesh.worker)."""
+    asked = []
+    for pid in _descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"tdmesh.worker" not in f.read():
+                    continue
+            os.kill(pid, signal.SIGUSR1)
+            asked.append(pid)
+        except OSError:
+            continue
+    time.sleep(1.0 if asked else 0)
+    parts = []
+    for pid in asked:
+        try:
+            with open(os.path.join(STACKS_DIR, f"stacks-{pid}.txt")) as f:
+                parts.append(f"--- worker process {pid} ---\n{f.read()[-8000:]}")
+        except OSError:
+            parts.append(f"--- worker process {pid}: no stacks written ---")
+    return "\n".join(parts)
 
 
 def stacks_of_every_thread() -> str:
@@ -47,7 +95,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return
 
     def on_alarm(signum, frame):
-        stacks = stacks_of_every_thread()
+        stacks = stacks_of_every_thread() + "\n" + stacks_of_workers()
         sys.stderr.write(f"\n{item.nodeid} ran past its {limit:g} s limit; the stacks:\n{stacks}\n")
         pytest.fail(f"{item.nodeid} ran past its {limit:g} s time limit (TDMESH_TEST_TIMEOUT or "
                     f"@pytest.mark.time_limit); every thread's stack when it was stopped:\n{stacks}",

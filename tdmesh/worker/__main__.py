@@ -11,7 +11,9 @@ itself exits 1 whenever a rank fails, and its root-cause summary shows rank 0's 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import subprocess
 import sys
 
@@ -29,6 +31,7 @@ modes:
       internal: the worker process that tdmesh.local_mesh starts (not for torchrun)
 
 environment: TDMESH_BACKEND (nccl|gloo), TDMESH_DEVICE=cpu, TDMESH_LOG_LEVEL, TDMESH_LOG_FILE;
+`kill -USR1 PID` prints a worker's stacks (every thread; to TDMESH_STACKS_DIR where set);
 every TDMESH_* variable, with its default, is listed in tdmesh/config.py.
 """
 
@@ -47,6 +50,16 @@ def _start_client(script: str, script_args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tdmesh._script", script, *script_args])
 
 
+def _stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` writes every thread's Python stack, taken by faulthandler at the C
+    level (so even while a stream thread is blocked inside an op), to stderr, or to
+    ``$TDMESH_STACKS_DIR/stacks-<pid>.txt`` where that is set (the tests' time limit reads them)."""
+    from ..config import env_str
+    directory = env_str("TDMESH_STACKS_DIR")
+    out = open(os.path.join(directory, f"stacks-{os.getpid()}.txt"), "w") if directory else sys.stderr  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+
+
 @record
 def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
@@ -58,6 +71,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     from .loop import configure_logging, run_worker, say_rank_0_leaves
     configure_logging()
+    _stacks_on_sigusr1()
     client = None
     if args.script and int(os.environ["RANK"]) == 0:
         if not os.path.exists(args.script):  # rank 0 leaves at once, and torchrun ends the job

@@ -131,3 +131,33 @@ def test_set_log_level_shows_worker_debug_lines_until_the_session_ends(tmp_path,
     with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh:  # the same warm workers, a new session
         assert [h.pid for h in mesh.client.hellos.values()] == pids
         assert fail_once(mesh) == [1, 1]  # the level went back when the last session ended
+
+
+def test_a_hung_test_fails_at_its_time_limit_with_the_stacks_of_its_workers(tmp_path):
+    """tests/_watchdog.py on a real fleet: a test waiting on a remote function that never
+    returns fails at its limit, and the failure shows the worker's thread inside that
+    function (each worker writes its stacks on SIGUSR1, faulthandler at the C level)."""
+    import textwrap
+    (tmp_path / "conftest.py").write_text("from _watchdog import pytest_runtest_protocol, pytest_unconfigure  # noqa\n")
+    (tmp_path / "test_hung_fleet.py").write_text(textwrap.dedent("""
+        import pytest, tdmesh
+
+        def wait_forever():
+            import threading
+            threading.Event().wait()
+
+        @pytest.mark.time_limit(8)
+        def test_waits_on_a_worker():
+            with tdmesh.local_mesh(hosts=1, gpus_per_host=1, pool=False) as mesh, mesh.activate():
+                tdmesh.call_on_shard_and_fetch(tdmesh.remote(wait_forever)).result()
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), REPO, str(tmp_path)]),
+           "TDMESH_DEVICE": "cpu"}
+    env.pop("TDMESH_STACKS_DIR", None)  # the inner run makes its own
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          "-o", "addopts=", "-o", "markers=time_limit", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    assert "ran past its 8 s time limit" in out, out
+    assert "--- worker process" in out and "in wait_forever" in out, out

@@ -32,3 +32,4 @@ def test_a_test_past_its_limit_fails_with_the_stacks_and_the_run_goes_on(tmp_pat
     assert "1 failed, 1 passed" in run.stdout, run.stdout
     assert "test_waits_forever ran past its 1 s time limit" in run.stdout, run.stdout
     assert "threading.Event().wait()" in run.stdout  # the hung line, in the failure's stacks
+
