@@ -32,6 +32,7 @@ from .profiling import profile
 from .programs.optim import register_foreach_support  # noqa: F401 - registers tdmesh.Tensor with torch.optim
 from .programs.recording import compile
 from .remote import Remote, call_on_shard_and_fetch, remote
+from .stacks import stacks
 
 __all__ = [
     "Slice", "Shape", "UnknownDimError", "DeviceMesh", "get_active_mesh", "no_mesh",
@@ -42,4 +43,5 @@ __all__ = [
     "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all",
     "show", "attach", "random", "UsageError", "ObjectHandle", "ObjectMethod", "set_log_level", "as_completed",
     "LoggingLocation", "checkpoint", "grad_generator", "grad_function", "gradient_execution_order",
+    "stacks",
 ]

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 import tempfile
+import threading
+import traceback
 
 import torch
 
@@ -174,3 +176,16 @@ def restore_log_levels() -> None:
     for logger, level in _levels_before.items():
         logging.getLogger(logger or None).setLevel(level)
     _levels_before.clear()
+
+
+def stacks_text() -> tuple[int, str]:
+    """``tdmesh.stacks``: (this worker's global rank, the Python stack of each of its threads by
+    name, the thread answering left out).  It runs on a stream of its own, whose thread is
+    free while the others may be blocked inside an op: ``tdmesh-stream-0`` is the main stream."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    parts = [f"pid {os.getpid()}"]
+    for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: str(names.get(kv[0], kv[0]))):
+        if ident != me:
+            parts.append(f"Thread {names.get(ident, ident)!r}:\n" + "".join(traceback.format_stack(frame)))
+    return int(os.environ.get("RANK", "-1")), "\n".join(parts)
