@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from types import FrameType
@@ -185,3 +186,15 @@ def user_line() -> str:
 def frames(site) -> list[traceback.FrameSummary]:
     """A captured call site as traceback frames, outermost first."""
     return [traceback.FrameSummary(f, n, name) for f, n, name in reversed(_entries(site))]
+
+
+def thread_stacks(limit: int | None = None, skip_current: bool = False) -> str:
+    """Every thread's Python stack, innermost call last, headed ``Thread 'name':`` and sorted by
+    name (``tdmesh.stacks`` on a worker; the tests' time limit in their own process)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    parts = []
+    for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: str(names.get(kv[0], kv[0]))):
+        if not (skip_current and ident == me):
+            parts.append(f"Thread {names.get(ident, ident)!r}:\n" + "".join(traceback.format_stack(frame, limit)))
+    return "\n".join(parts)

@@ -20,11 +20,11 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 
 import pytest
 
 from tdmesh.config import env_float
+from tdmesh.errors import thread_stacks
 
 HARD_EXIT_GRACE_S = 120.0
 STACKS_DIR = os.environ.setdefault("TDMESH_STACKS_DIR", tempfile.mkdtemp(prefix="tdmesh-stacks-"))
@@ -72,14 +72,6 @@ def stacks_of_workers() -> str:
     return "\n".join(parts)
 
 
-def stacks_of_every_thread() -> str:
-    names = {t.ident: t.name for t in threading.enumerate()}
-    parts = []
-    for ident, frame in sys._current_frames().items():
-        parts.append(f"--- thread {names.get(ident, ident)} ---\n" + "".join(traceback.format_stack(frame, limit=30)))
-    return "\n".join(parts)
-
-
 def limit_of(item: pytest.Item) -> float:
     marker = item.get_closest_marker("time_limit")
     if marker is not None:
@@ -95,7 +87,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return
 
     def on_alarm(signum, frame):
-        stacks = stacks_of_every_thread() + "\n" + stacks_of_workers()
+        stacks = thread_stacks(limit=30) + "\n" + stacks_of_workers()
         sys.stderr.write(f"\n{item.nodeid} ran past its {limit:g} s limit; the stacks:\n{stacks}\n")
         pytest.fail(f"{item.nodeid} ran past its {limit:g} s time limit (TDMESH_TEST_TIMEOUT or "
                     f"@pytest.mark.time_limit); every thread's stack when it was stopped:\n{stacks}",

@@ -7,11 +7,10 @@ import logging
 import os
 import sys
 import tempfile
-import threading
-import traceback
 
 import torch
 
+from ..errors import thread_stacks
 from ..protocol.codec import describe_tensor
 
 _levels_before: dict[str, int] = {}  # logger name -> its level before this session's set_log_level
@@ -182,10 +181,4 @@ def stacks_text() -> tuple[int, str]:
     """``tdmesh.stacks``: (this worker's global rank, the Python stack of each of its threads by
     name, the thread answering left out).  It runs on a stream of its own, whose thread is
     free while the others may be blocked inside an op: ``tdmesh-stream-0`` is the main stream."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    me = threading.get_ident()
-    parts = [f"pid {os.getpid()}"]
-    for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: str(names.get(kv[0], kv[0]))):
-        if ident != me:
-            parts.append(f"Thread {names.get(ident, ident)!r}:\n" + "".join(traceback.format_stack(frame)))
-    return int(os.environ.get("RANK", "-1")), "\n".join(parts)
+    return int(os.environ.get("RANK", "-1")), f"pid {os.getpid()}\n" + thread_stacks(skip_current=True)
