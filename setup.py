@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="A single-controller runtime for PyTorch: drive a torchrun fleet as one device",
     packages=find_packages(include=["tdmesh", "tdmesh.*"]),
+    package_data={"tdmesh.monitor": ["page.html"]},  # the dashboard's one static page
     python_requires=">=3.11",
     # torch.distributed.elastic (the old torchelastic) ships inside torch.  numpy: torch warns in
     # every process without it, and mesh/rank arrays are ndarrays; cloudpickle ships functions

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import pickle
 import queue
-import selectors
 import threading
 import time
 from collections.abc import Callable
@@ -22,15 +21,16 @@ from typing import Any
 import torch
 
 from ..config import ControllerParams, SupervisionParams
-from ..errors import DeviceException, ProtocolError, ProtocolViolation, UsageError, call_site, frames, site_text
+from ..errors import DeviceException, UsageError, call_site, frames, site_text
 from ..protocol import messages as m
-from ..protocol.schema import received_messages
 from ..protocol.transport import Connection, encode
 from . import coalescing
 from .debugging import Debugger
 from .future import Future
 from .history import History
+from .observation import Observations
 from .outbox import Outbox
+from .reader import read_loop
 from .supervisor import FleetFailure, FleetInfo, Supervisor, WorkerLost
 from .tasks import Tasks
 
@@ -85,9 +85,10 @@ class Client:
         self._ops_since_probe = 0
         self._probe_every = self.controller.ops_per_progress_request
         self.debugger = Debugger(self)
+        self.observations = Observations(self)  # samples and stacks for tdmesh.dashboard / tdmesh.stacks
         self.tasks = Tasks(self)  # workers' background work (async checkpoint writes)
         self.supervisor = Supervisor(self, self.supervision, self.controller, process_failure)
-        self._reader = threading.Thread(target=self._read_loop, name="tdmesh-reader", daemon=True)
+        self._reader = threading.Thread(target=read_loop, args=(self,), name="tdmesh-reader", daemon=True)
         self._reader.start()
         self._flusher = threading.Thread(target=self._flush_loop, name="tdmesh-flusher", daemon=True)
         self._flusher.start()
@@ -269,51 +270,6 @@ class Client:
         """True while a coalescing block holds this client's messages back."""
         return self in coalescing.held_clients
 
-    def _read_loop(self) -> None:
-        sel = selectors.DefaultSelector()
-        for rank, conn in self.conns.items():
-            sel.register(conn.sock, selectors.EVENT_READ, rank)
-        open_ranks = set(self.conns)
-        while open_ranks:
-            for key, _ in sel.select(timeout=0.5):
-                rank = key.data
-                error: BaseException | None = None
-                self.reading = (rank, time.monotonic())  # the supervisor's view of a frame that stalls midway
-                try:
-                    msgs = received_messages(self.conns[rank], self.hellos)
-                except (OSError, ProtocolError, ProtocolViolation) as e:
-                    msgs, error = None, e
-                self.reading = None
-                if msgs is None:
-                    sel.unregister(key.fileobj)
-                    open_ranks.discard(rank)
-                    if not self.exiting:
-                        why = self.info.exit_reason() or (str(error) if error else "its connection closed")
-                        self.inbox.put((rank, WorkerLost(why)))
-                    continue
-                supervisor = self.supervisor
-                supervisor.seen(rank)
-                for msg in msgs:
-                    t = type(msg)
-                    if t is m.Heartbeat:
-                        continue
-                    if t is m.Status:
-                        supervisor.status(rank, msg.first_uncompleted)
-                    elif t is m.FetchResult:  # one of a gather's values: which rank's it is matters
-                        self.inbox.put((msg.rank if msg.rank >= 0 else rank, msg))
-                        continue
-                    elif t is m.RanksLost:
-                        if not self.exiting:
-                            why = self.info.exit_reason() or msg.why  # the launcher's account, if it has one
-                            self.inbox.put((msg.ranks[0], WorkerLost(why, msg.ranks)))
-                        continue
-                    elif t is m.DebuggerRead or t is m.DebuggerDone:
-                        self.debugger.seen(msg)
-                    elif t is m.WorkerFailed:  # at once: its exit must not be reported first
-                        self.fail_from_supervisor(self.info.broken_device(msg, self.site_of(msg.seq)))
-                        continue
-                    self.inbox.put((rank, msg))
-
     def pump(self, timeout: float | None = 0, until: Callable[[], bool] | None = None) -> None:
         """Apply worker replies to the history until ``until()`` holds or ``timeout`` passes."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -345,8 +301,10 @@ class Client:
 
     def RemoteFunctionFailed(self, rank: int, msg: m.RemoteFunctionFailed) -> None:
         self.history.fail(msg, frames)
+        self.observations.last_error = self.history.unobserved.get(msg.seq, self.observations.last_error)
 
     def WorkerLost(self, rank: int, msg: WorkerLost) -> None:
+        self.observations.lost(msg.ranks or (rank,))
         if not self.closed:
             self._fail_fleet(self.info.lost(rank, msg.why, msg.ranks))
 
@@ -367,7 +325,7 @@ class Client:
 
     def _fail_fleet(self, exc: DeviceException) -> None:
         if self.failure is None:
-            self.failure = exc
+            self.failure = self.observations.last_error = exc
         self.tasks.fail(self.failure)
         for fut in self.history.pending_futures():
             if not fut._finished():
@@ -383,7 +341,7 @@ class Client:
             return
         if self.failure is None:
             self.tasks.wait_all(timeout)  # a checkpoint being written is finished first
-        self.exiting = True
+        self.exiting, self.observations.parked = True, detach
         try:
             if self.failure is None:
                 with self.lock:

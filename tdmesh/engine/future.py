@@ -32,9 +32,6 @@ class Future:
         self._exception: BaseException | None = None
         self._callbacks: list[Callable[[Future], None]] = []
         self.gather = None  # the mesh Shape when the value is one per rank (Remote.call)
-        # a gather resolved as soon as every rank's value is in, not when the op counts as complete
-        # (which waits for every op issued before it, on every stream): tdmesh.stacks, out of band
-        self.early = False
 
     # called by the client when the value (or its error) is known
     def _set_result(self, value) -> None:

@@ -73,8 +73,6 @@ class History:
             if node.value is None:
                 node.value = {}
             node.value[rank] = msg
-            if node.future.early and all(r in node.value for r in node.future.gather.ranks()):
-                self.resolve(node, early=True)
         else:
             node.value = msg
 
@@ -113,13 +111,12 @@ class History:
             done.append(node)
         return done
 
-    def resolve(self, node: Node, early: bool = False) -> None:
-        """Deliver a complete node's value or error to its future (``early``: an out-of-band
-        future's, once every rank's value is in, before the op counts as complete)."""
+    def resolve(self, node: Node) -> None:
+        """Deliver a complete node's value or error to its future."""
         fut = node.future
         if fut is None:
             return
-        silent = not early and self._silent and self._earlier_silent_failure(node.seq)
+        silent = self._silent and self._earlier_silent_failure(node.seq)
         if silent:
             fut._set_exception(silent)
         elif node.failure is not None:

@@ -205,6 +205,16 @@ class Supervise(NamedTuple):
     heartbeat_interval: float
 
 
+class Observe(NamedTuple):
+    """Send a Sample every ``interval`` seconds for the rest of this session (``tdmesh.dashboard``)."""
+    interval: float
+
+
+class RequestStacks(NamedTuple):
+    """Answer with Stacks, from the message thread: every stream may be blocked (``tdmesh.stacks``)."""
+    request: int
+
+
 class Detach(NamedTuple):
     """Attach mode: this client is done; forget its state and wait for the next client."""
 
@@ -230,6 +240,24 @@ class Hello(NamedTuple):
 class Heartbeat(NamedTuple):
     """A worker is alive (sent from a thread of its own, whatever its streams are doing)."""
     rank: int
+
+
+class Sample(NamedTuple):
+    """A worker's state for the dashboard: memory (bytes), each stream's ``(id, queued, seq running or -1,
+    what, innermost line, running for s)``, and the lines it logged or printed since the last Sample."""
+    rank: int
+    rss: int
+    cuda_allocated: int
+    cuda_reserved: int
+    streams: tuple
+    logs: tuple
+
+
+class Stacks(NamedTuple):
+    """The answer to RequestStacks ``request``: every thread's Python stack, by thread name."""
+    rank: int
+    request: int
+    text: str
 
 
 class FetchResult(NamedTuple):
@@ -327,9 +355,9 @@ class DependentError(NamedTuple):
 
 CLIENT_TO_WORKER = (CallFunction, DefineOp, CallOp, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups,
                     DropGroups, DefineRecording, CallRecording, BorrowCreate, BorrowFirstUse, BorrowLastUse, BorrowDrop,
-                    DeleteRefs, RequestStatus, DebuggerInput, Supervise, Detach, Exit)
+                    DeleteRefs, RequestStatus, DebuggerInput, Supervise, Observe, RequestStacks, Detach, Exit)
 WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status, TaskDone,
-                    DebuggerRead, DebuggerDone, RelayHello, RanksLost)
+                    DebuggerRead, DebuggerDone, RelayHello, RanksLost, Sample, Stacks)
 RELAY_CONTROL = (RelayConfig,)
 HANDSHAKE = (Challenge, Welcome)
 

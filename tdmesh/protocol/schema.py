@@ -141,6 +141,8 @@ CLIENT_SCHEMA: dict[type, dict[str, Kind]] = {
     m.RequestStatus: dict(seq=INT),
     m.DebuggerInput: dict(line=TEXT),
     m.Supervise: dict(heartbeat_interval=POSITIVE),
+    m.Observe: dict(interval=POSITIVE),
+    m.RequestStacks: dict(request=INT),
     m.Detach: dict(),
     m.Exit: dict(error=OPT_TEXT),
 }
@@ -157,6 +159,8 @@ WORKER_SCHEMA: dict[type, dict[str, Kind]] = {
     m.DebuggerDone: dict(rank=INT, output=TEXT),
     m.RelayHello: dict(host=INT, first=INT, end=INT, nonce=NONCE, proof=TEXT, hellos=HELLOS),
     m.RanksLost: dict(ranks=RANKS, why=TEXT),
+    m.Sample: dict(rank=INT, rss=INT, cuda_allocated=INT, cuda_reserved=INT, streams=TUPLE, logs=TUPLE),
+    m.Stacks: dict(rank=INT, request=INT, text=TEXT),
 }
 
 RELAY_SCHEMA: dict[type, dict[str, Kind]] = {

@@ -10,7 +10,6 @@ import tempfile
 
 import torch
 
-from ..errors import thread_stacks
 from ..protocol.codec import describe_tensor
 
 _levels_before: dict[str, int] = {}  # logger name -> its level before this session's set_log_level
@@ -176,9 +175,3 @@ def restore_log_levels() -> None:
         logging.getLogger(logger or None).setLevel(level)
     _levels_before.clear()
 
-
-def stacks_text() -> tuple[int, str]:
-    """``tdmesh.stacks``: (this worker's global rank, the Python stack of each of its threads by
-    name, the thread answering left out).  It runs on a stream of its own, whose thread is
-    free while the others may be blocked inside an op: ``tdmesh-stream-0`` is the main stream."""
-    return int(os.environ.get("RANK", "-1")), f"pid {os.getpid()}\n" + thread_stacks(skip_current=True)

@@ -26,6 +26,7 @@ from .debugger import Console
 from .functions import resolve
 from .groups import Groups
 from .mesh import WorkerMesh
+from .observing import Observer
 from .ops import DefinedOp, slot_values
 from .recordings import Recordings
 from .streams import Stream
@@ -64,6 +65,7 @@ class Interpreter:
         self.tasks = Tasks(rank, send)
         self.ops: dict[int, DefinedOp] = {}
         self.console = Console(rank, send)  # breakpoint() in a remote function: see loop._session
+        self.observer = Observer(self)  # the dashboard's samples and tdmesh.stacks, only when asked
         self.caused_error = False
         self.fatal: BaseException | None = None
         self.exit_request: m.Exit | m.Detach | None = None
@@ -195,6 +197,12 @@ class Interpreter:
                     return
                 time.sleep(msg.heartbeat_interval)
         threading.Thread(target=beat, name="tdmesh-heartbeat", daemon=True).start()
+
+    def Observe(self, msg: m.Observe) -> None:
+        self.observer.observe(msg)
+
+    def RequestStacks(self, msg: m.RequestStacks) -> None:
+        self.observer.stacks(msg)
 
     def Detach(self, msg: m.Detach) -> None:
         """Drain every stream, forget its values (threads of this session may outlive it by a

@@ -38,6 +38,8 @@ SAMPLES = {
     m.DefineRecording: m.DefineRecording(5, (m.DeleteRefs((9,)),), (1, 2), (3,), 0, 2),
     m.CallRecording: m.CallRecording(15, 5, (10, 11), (12,)),
     m.Supervise: m.Supervise(0.5),
+    m.Observe: m.Observe(1.0),
+    m.RequestStacks: m.RequestStacks(4),
     m.Detach: m.Detach(),
     m.Heartbeat: m.Heartbeat(3),
     m.Exit: m.Exit("the client hit an error"),
@@ -56,6 +58,9 @@ SAMPLES = {
     m.DebuggerRead: m.DebuggerRead(1, "> script.py(4)f()\n-> return x\n(Pdb rank 1) "),
     m.DebuggerDone: m.DebuggerDone(1, ""),
     m.RanksLost: m.RanksLost((2, 3), "its connection to host 1's relay closed"),
+    m.Sample: m.Sample(1, 1 << 30, 0, 0, ((0, 2, 17, "call_function slow", "script.py:4 in slow", 1.5),),
+                       ("INFO tdmesh: ready", "stderr: warning")),
+    m.Stacks: m.Stacks(1, 4, "pid 7\nThread 'tdmesh-stream-0':\n  File ..."),
 }
 
 FIELDS = {
@@ -84,6 +89,8 @@ FIELDS = {
     m.DefineRecording: ("recording", "commands", "formals", "results", "chunk", "total", "mode"),
     m.CallRecording: ("seq", "recording", "actuals", "results"),
     m.Supervise: ("heartbeat_interval",),
+    m.Observe: ("interval",),
+    m.RequestStacks: ("request",),
     m.Detach: (),
     m.TorchMeshArg: ("mesh",),
     m.Heartbeat: ("rank",),
@@ -94,6 +101,8 @@ FIELDS = {
     m.RelayHello: ("host", "first", "end", "nonce", "proof", "hellos"),
     m.RelayConfig: ("heartbeat_interval", "heartbeat_timeout"),
     m.RanksLost: ("ranks", "why"),
+    m.Sample: ("rank", "rss", "cuda_allocated", "cuda_reserved", "streams", "logs"),
+    m.Stacks: ("rank", "request", "text"),
     m.RemoteFunctionFailed: ("seq", "rank", "exc_type", "message", "traceback"),
     m.WorkerFailed: ("seq", "rank", "function", "exc_type", "message", "traceback"),
     m.Status: ("rank", "first_uncompleted"),
@@ -125,9 +134,11 @@ def test_direction_tables_are_exactly_the_documented_records():
     assert m.CLIENT_TO_WORKER == (m.CallFunction, m.DefineOp, m.CallOp, m.SendValue, m.Reduce, m.ReduceMany,
                                   m.SendTensor, m.CreateGroups, m.DropGroups, m.DefineRecording, m.CallRecording,
                                   m.BorrowCreate, m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs,
-                                  m.RequestStatus, m.DebuggerInput, m.Supervise, m.Detach, m.Exit)
+                                  m.RequestStatus, m.DebuggerInput, m.Supervise, m.Observe, m.RequestStacks,
+                                  m.Detach, m.Exit)
     assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.WorkerFailed,
-                                  m.Status, m.TaskDone, m.DebuggerRead, m.DebuggerDone, m.RelayHello, m.RanksLost)
+                                  m.Status, m.TaskDone, m.DebuggerRead, m.DebuggerDone, m.RelayHello, m.RanksLost,
+                                  m.Sample, m.Stacks)
     assert m.RELAY_CONTROL == (m.RelayConfig,)
     assert m.HANDSHAKE == (m.Challenge, m.Welcome)
     assert set(m.CLIENT_TO_WORKER).isdisjoint(m.WORKER_TO_CLIENT)
