@@ -27,7 +27,7 @@ from .gradients import grad_function, grad_generator, gradient_execution_order
 from .launcher import LoggingLocation, attach, local_mesh, local_meshes, restart_count, world_mesh
 from .logs import set_log_level
 from .mesh import DeviceMesh, RemoteProcessGroup
-from .monitor import dashboard
+from .monitor import dashboard, stop_dashboard
 from .objects import ObjectHandle, ObjectMethod
 from .profiling import profile
 from .programs.optim import register_foreach_support  # noqa: F401 - registers tdmesh.Tensor with torch.optim
@@ -44,5 +44,5 @@ __all__ = [
     "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all",
     "show", "attach", "random", "UsageError", "ObjectHandle", "ObjectMethod", "set_log_level", "as_completed",
     "LoggingLocation", "checkpoint", "grad_generator", "grad_function", "gradient_execution_order",
-    "stacks", "dashboard",
+    "stacks", "dashboard", "stop_dashboard",
 ]

@@ -20,6 +20,10 @@ import time
 import pytest
 
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+# headless, as root (CI), and without the background connections a closed network refuses at every start
+QUIET_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+               "--no-default-browser-check", "--disable-quic", "--disable-background-networking",
+               "--disable-component-update", "--disable-sync")
 
 
 def browser_path() -> str | None:
@@ -42,8 +46,7 @@ class Chromium:
     def __init__(self, profile_dir: str, width: int = 1400, height: int = 1000) -> None:
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()
-        args = [require_browser(), "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--no-first-run", "--no-default-browser-check", "--remote-debugging-pipe",
+        args = [require_browser(), *QUIET_FLAGS, "--remote-debugging-pipe",
                 f"--user-data-dir={profile_dir}", f"--window-size={width},{height}", "about:blank"]
         # the pipe ends become the browser's fds 3 and 4 (bash moves them there, then execs it)
         self.process = subprocess.Popen(

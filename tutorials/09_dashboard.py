@@ -45,7 +45,8 @@ def screenshot(url: str, path: str) -> None:
     if browser is None:
         print("no Chromium here: no screenshot (Debian: apt-get install chromium)")
         return
-    subprocess.run([browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+    subprocess.run([browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--disable-quic",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
                     "--window-size=1400,1250", "--virtual-time-budget=4000", f"--screenshot={os.path.abspath(path)}",
                     url], check=True, capture_output=True, timeout=120)
     print(f"screenshot: {path}")

@@ -56,9 +56,9 @@ class Observations:
         self.lost_ranks.update(ranks)
 
     # asked by the dashboard or tdmesh.stacks (any thread) -----------------------------------------------
-    def start_sampling(self, interval: float) -> None:
-        """Every rank sends a Sample each ``interval`` seconds from now on (for this session)."""
-        if self.interval and self.interval <= interval:
+    def sample_every(self, interval: float) -> None:
+        """Every rank sends a Sample each ``interval`` seconds from now on; 0 stops them."""
+        if interval == self.interval:
             return
         self.interval = interval
         self.client.send_setup(m.Observe(interval))

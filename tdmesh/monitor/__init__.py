@@ -15,7 +15,6 @@ import threading
 
 from ..config import env_float
 from ..engine.context import get_active_mesh
-from ..stacks import stacks
 from .server import LOOPBACK_NAMES, DashboardServer
 from .view import Timeline, fleet_view
 
@@ -36,8 +35,20 @@ class _Dashboard:
 
     def show(self, mesh) -> None:
         if mesh._live() is not self.mesh._live():
+            self._unwatch()
             self.timeline = Timeline(mesh._live())
         self.mesh = mesh
+
+    def _unwatch(self) -> None:
+        """The fleet shown so far stops sampling (if it still runs) and its chart's thread ends."""
+        self.timeline.stopped = True
+        client = self.mesh._live()
+        if client.failure is None and not client.closed:
+            client.observations.sample_every(0)
+
+    def close(self) -> None:
+        self._unwatch()
+        self.server.close()
 
     def fleet(self) -> dict:
         mesh = self.mesh
@@ -46,7 +57,7 @@ class _Dashboard:
         return view
 
     def stacks(self) -> dict[int, str]:
-        return stacks(self.mesh, timeout=10.0)
+        return self.mesh._live().observations.stacks(self.mesh.rank_list, timeout=10.0)  # tdmesh.stacks
 
 
 def dashboard(port: int | None = None, mesh=None, *, host: str = "127.0.0.1") -> str:
@@ -63,22 +74,23 @@ def dashboard(port: int | None = None, mesh=None, *, host: str = "127.0.0.1") ->
             _current.show(mesh)
         else:
             if _current is not None:
-                _current.server.close()
+                _current.close()
             token = None if host in LOOPBACK_NAMES else _job_token(mesh)
             _current = _Dashboard(host, port or 0, token, mesh)
             print(f"tdmesh dashboard: {_current.url}", flush=True)
         url = _current.url
     if client.failure is None and not client.closed:
-        client.observations.start_sampling(max(1.0, env_float("TDMESH_DASHBOARD_INTERVAL")))
+        client.observations.sample_every(max(1.0, env_float("TDMESH_DASHBOARD_INTERVAL")))
     return url
 
 
 def stop_dashboard() -> None:
-    """Close the page's server (``dashboard()`` starts a new one)."""
+    """Close the page: its server and chart thread end, and the workers stop sampling (as
+    before ``dashboard()``); a later ``dashboard()`` starts a new one."""
     global _current
     with _lock:
         if _current is not None:
-            _current.server.close()
+            _current.close()
             _current = None
 
 

@@ -27,6 +27,7 @@ class Timeline:
         self.client = client
         self.period = period
         self.points: collections.deque = collections.deque(maxlen=int(TIMELINE_SECONDS / period) + 1)
+        self.stopped = False
         self.record()
         self._thread = threading.Thread(target=self._loop, name="tdmesh-dashboard-timeline", daemon=True)
         self._thread.start()
@@ -37,7 +38,7 @@ class Timeline:
 
     def _loop(self) -> None:
         client = self.client
-        while not client.closed:
+        while not client.closed and not self.stopped:
             time.sleep(self.period)
             if client.failure is None and client.outstanding_work(min(client.supervisor.progress.values())):
                 client.send_probe()  # progress a second old at most (one RequestStatus), not 100 ops behind

@@ -206,7 +206,7 @@ class Supervise(NamedTuple):
 
 
 class Observe(NamedTuple):
-    """Send a Sample every ``interval`` seconds for the rest of this session (``tdmesh.dashboard``)."""
+    """Send a Sample every ``interval`` seconds from now on (``tdmesh.dashboard``); 0 stops them."""
     interval: float
 
 

@@ -81,6 +81,7 @@ def _is_factory(value) -> bool:  # (shape, dtype name)
 INT = Kind("an int", _is_int)
 OPT_INT = Kind("an int or None", _is_opt_int)
 POSITIVE = Kind("a positive number", lambda v: type(v) in (int, float) and v > 0)
+NON_NEGATIVE = Kind("a number >= 0", lambda v: type(v) in (int, float) and v >= 0)
 BOOL = Kind("a bool", lambda v: type(v) is bool)
 TEXT = Kind(f"a str of at most {MAX_TEXT} characters", _is_text)
 OPT_TEXT = Kind(f"None or a str of at most {MAX_TEXT} characters", lambda v: v is None or _is_text(v))
@@ -141,7 +142,7 @@ CLIENT_SCHEMA: dict[type, dict[str, Kind]] = {
     m.RequestStatus: dict(seq=INT),
     m.DebuggerInput: dict(line=TEXT),
     m.Supervise: dict(heartbeat_interval=POSITIVE),
-    m.Observe: dict(interval=POSITIVE),
+    m.Observe: dict(interval=NON_NEGATIVE),
     m.RequestStacks: dict(request=INT),
     m.Detach: dict(),
     m.Exit: dict(error=OPT_TEXT),

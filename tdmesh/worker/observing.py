@@ -46,7 +46,7 @@ class LogTail(logging.Handler):
         super().__init__(logging.DEBUG)
         self.lines: collections.deque[str] = collections.deque(maxlen=_LOG_LINES)
         self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        self._streams: list[tuple[str, object]] = []
+        self._streams: list[tuple[str, object, _Tee]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -58,13 +58,14 @@ class LogTail(logging.Handler):
         logging.getLogger().addHandler(self)
         for name in ("stdout", "stderr"):
             original = getattr(sys, name)
-            self._streams.append((name, original))
-            setattr(sys, name, _Tee(original, self.lines, name == "stderr"))
+            tee = _Tee(original, self.lines, name == "stderr")
+            self._streams.append((name, original, tee))
+            setattr(sys, name, tee)
 
     def uninstall(self) -> None:
         logging.getLogger().removeHandler(self)
-        for name, original in self._streams:
-            if isinstance(getattr(sys, name), _Tee):
+        for name, original, tee in self._streams:
+            if getattr(sys, name) is tee:  # not if someone wrapped it since: theirs stays
                 setattr(sys, name, original)
         self._streams.clear()
 
@@ -103,32 +104,41 @@ class Observer:
     def __init__(self, interp) -> None:
         self.interp = interp
         self.interval = 0.0
+        self._generation = 0  # a sampler thread runs while its generation is the current one
+        self._thread: threading.Thread | None = None
         self.tail: LogTail | None = None
         self._running: dict[int, tuple[int, float]] = {}  # stream id -> (seq seen running, since)
 
     def observe(self, msg: m.Observe) -> None:
-        """Start sampling (a second Observe only changes the interval)."""
-        started = self.interval > 0
+        """Start sampling, change its interval, or (0) stop it: the thread and the log tee go."""
+        running = self.interval > 0
         self.interval = msg.interval
-        if not started:
-            threading.Thread(target=self._loop, name="tdmesh-sampler", daemon=True).start()
+        if msg.interval > 0 and not running:
+            self._generation += 1
+            previous = self._thread
+            self._thread = threading.Thread(target=self._loop, args=(self._generation, previous),
+                                            name="tdmesh-sampler", daemon=True)
+            self._thread.start()
 
     def stacks(self, msg: m.RequestStacks) -> None:
         self.interp.send(m.Stacks(self.interp.rank, msg.request, f"pid {os.getpid()}\n" + thread_stacks()))
 
-    def _loop(self) -> None:
+    def _loop(self, generation: int, previous: threading.Thread | None) -> None:
+        if previous is not None:
+            previous.join()  # a stopped sampler takes its log tee away first (within one interval)
         interp = self.interp
-        self.tail = LogTail()
-        self.tail.install()
+        tail = self.tail = LogTail()
+        tail.install()
         try:
-            while interp.exit_request is None and interp.fatal is None:
+            while interp.exit_request is None and interp.fatal is None and generation == self._generation \
+                    and self.interval > 0:
                 try:
                     interp.send(self.sample())
                 except OSError:
                     return
                 time.sleep(self.interval)
         finally:
-            self.tail.uninstall()  # a pooled worker's next session starts without it
+            tail.uninstall()  # a pooled worker's next session starts without it
 
     def sample(self) -> m.Sample:
         device = self.interp.device

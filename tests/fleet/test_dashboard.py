@@ -126,6 +126,15 @@ def test_nothing_runs_before_dashboard_is_called_and_the_workers_sample_after(fl
     assert {t.name for t in threading.enumerate()} >= {"tdmesh-dashboard", "tdmesh-dashboard-timeline"}
     assert sampler_threads(fleet) == [True, True]
     assert tdmesh.dashboard(mesh=fleet) == url  # one page per process: asked again, the same URL
+    tdmesh.stop_dashboard()  # and closed, nothing of it is left: the workers stop sampling too
+    deadline = time.monotonic() + 10
+    while any(sampler_threads(fleet)) or [t for t in threading.enumerate() if t.name.startswith("tdmesh-dashboard")]:
+        assert time.monotonic() < deadline, threading.enumerate()
+        time.sleep(0.2)
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=5)
+    assert tdmesh.dashboard(mesh=fleet) != url or fleet_json(url)["ranks"]  # opens again (a new free port)
+    assert all(sampler_threads(fleet))
 
 
 def test_a_parked_fleet_shows_parked_after_its_mesh_exits():

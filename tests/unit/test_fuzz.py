@@ -48,7 +48,7 @@ FLEET = range(4)  # the ranks of the fleet the worker->client samples come from
 # What each kind of field accepts, as messages.py documents it (None in a set: None is accepted);
 # written out here so that the schema is checked against the documentation, not against itself.
 ACCEPTED_TYPES = {
-    schema.INT: {int}, schema.OPT_INT: {int, None}, schema.POSITIVE: {int, float},
+    schema.INT: {int}, schema.OPT_INT: {int, None}, schema.POSITIVE: {int, float}, schema.NON_NEGATIVE: {int, float},
     schema.BOOL: {bool}, schema.TEXT: {str}, schema.OPT_TEXT: {str, None}, schema.FUNCTION: {str, bytes},
     schema.OPT_FUNCTION: {str, bytes, None}, schema.INTS: {tuple}, schema.RANKS: {tuple}, schema.OPT_INTS: {tuple},
     schema.TUPLE: {tuple}, schema.ARGS: {tuple, bytes}, schema.KWARGS: {dict}, schema.SLICE: {Slice},
