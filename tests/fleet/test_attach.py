@@ -15,6 +15,17 @@ with tdmesh.attach(endpoint, token) as mesh:
     with mesh.activate():
         x = torch.ones(2) * mesh.process_idx()
         print("attached", mode, mesh.sizes, tdmesh.fetch_shard(x, host=0, gpu=1).result().tolist(), flush=True)
+    if mode == "dashboard":  # an attached client's page: the serving fleet's ranks, sampled
+        import json, time, urllib.request
+        url = tdmesh.dashboard(mesh=mesh)
+        deadline = time.monotonic() + 60
+        while True:
+            view = json.loads(urllib.request.urlopen(url + "api/fleet", timeout=30).read())
+            if all(r["rss"] for r in view["ranks"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        print("dashboard", [(r["rank"], r["state"], bool(r["rss"])) for r in view["ranks"]], flush=True)
+        tdmesh.stop_dashboard()
     if mode == "end":
         mesh.exit()
     if mode == "lose":  # rank 1 dies; torchrun then stops the job
@@ -55,6 +66,9 @@ def test_attach_detach_reattach_then_end_the_job(tmp_path):
         first = _client(tmp_path, endpoint, token, "first")
         assert first.returncode == 0, first.stderr[-2000:]
         assert "attached first {'host': 1, 'gpu': 2} [1.0, 1.0]" in first.stdout
+        watched = _client(tmp_path, endpoint, token, "dashboard")
+        assert watched.returncode == 0, watched.stderr[-2000:]
+        assert "dashboard [(0, 'idle', True), (1, 'idle', True)]" in watched.stdout
         wrong = _client(tmp_path, endpoint, "0" * 32, "first")
         assert wrong.returncode != 0 and "PermissionError: wrong token" in wrong.stderr
         second = _client(tmp_path, endpoint, token, "end")

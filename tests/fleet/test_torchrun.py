@@ -55,6 +55,12 @@ def test_standalone_job_runs_the_script_on_rank_0():
     assert "last rank value [2.0, 2.0]" in out.stdout
 
 
+def test_the_dashboard_of_a_torchrun_job_shows_every_rank():
+    out = run(TORCHRUN + ["--standalone", "--nproc_per_node", "2", "-m", "tdmesh.worker", SCRIPT, "dashboard"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dashboard ranks [0, 1] states ['idle', 'idle'] sampled True" in out.stdout
+
+
 def test_script_exit_code_is_the_root_cause():
     out = run(TORCHRUN + ["--standalone", "--nproc_per_node", "2", "-m", "tdmesh.worker", SCRIPT, "exit3"])
     assert out.returncode != 0
