@@ -101,6 +101,8 @@ def test_a_rank_stepping_over_slow_code_in_pdb_is_not_a_stuck_op():
                           text=True, timeout=180, env=stuck_fails)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "slow 1" in proc.stdout and "-> return int(value)" in proc.stdout
+    assert "'in pdb'" in proc.stdout.split("the dashboard saw rank 1")[1].splitlines()[0]  # and never 'stuck'
+    assert "'stuck'" not in proc.stdout.split("the dashboard saw rank 1")[1].splitlines()[0]
 
 
 def fail_here(x):
