@@ -36,6 +36,8 @@ VARIABLES = {
     "TDMESH_OPERATION_TIMEOUT": ("120.0", "ControllerParams.operation_timeout: seconds before a stuck op is reported"),
     "TDMESH_OPS_PER_PROGRESS_REQUEST": ("100", "ControllerParams.ops_per_progress_request: ops between "
                                                "progress probes"),
+    "TDMESH_REQUIRE_BROWSER": ("", "tests: 1 makes a missing Chromium fail the dashboard's browser test instead of "
+                                    "skipping it (set by .ci/run)"),
     "TDMESH_DASHBOARD_INTERVAL": ("1.0", "seconds between the samples each worker sends while tdmesh.dashboard() is "
                                          "open (at least 1)"),
     "TDMESH_FAIL_ON_OPERATION_TIMEOUT": ("0", "ControllerParams.fail_on_operation_timeout: 1 makes a stuck op a "

@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from tdmesh.config import env_str
+
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # headless, as root (CI), and without the background connections a closed network refuses at every start
 QUIET_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
@@ -33,7 +35,7 @@ def browser_path() -> str | None:
 def require_browser() -> str:
     path = browser_path()
     if path is None:
-        if os.environ.get("TDMESH_REQUIRE_BROWSER") == "1":
+        if env_str("TDMESH_REQUIRE_BROWSER") == "1":
             pytest.fail(f"no Chromium ({', '.join(CANDIDATES)}) on PATH, and TDMESH_REQUIRE_BROWSER=1: install "
                         f"Debian's chromium package (.ci/run does)")
         pytest.skip("no Chromium on PATH (Debian: apt-get install chromium)")

@@ -47,18 +47,13 @@ def test_world_mesh_outside_torchrun_raises_with_the_command():
         tdmesh.world_mesh()
 
 
-def test_standalone_job_runs_the_script_on_rank_0():
-    out = run(TORCHRUN + ["--standalone", "--nproc_per_node", "2", "-m", "tdmesh.worker", SCRIPT, "ok"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("script done") == 1
-    assert "mesh sizes {'host': 1, 'gpu': 2} argv ['ok'] restart 0" in out.stdout
-    assert "last rank value [2.0, 2.0]" in out.stdout
-
-
-def test_the_dashboard_of_a_torchrun_job_shows_every_rank():
+def test_standalone_job_runs_the_script_on_rank_0_and_its_dashboard_shows_every_rank():
     out = run(TORCHRUN + ["--standalone", "--nproc_per_node", "2", "-m", "tdmesh.worker", SCRIPT, "dashboard"])
     assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("script done") == 1
+    assert "mesh sizes {'host': 1, 'gpu': 2} argv ['dashboard'] restart 0" in out.stdout
     assert "dashboard ranks [0, 1] states ['idle', 'idle'] sampled True" in out.stdout
+    assert "last rank value [2.0, 2.0]" in out.stdout
 
 
 def test_script_exit_code_is_the_root_cause():
