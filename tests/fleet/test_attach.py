@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from paths import SCRIPTS
+
 CLIENT = """
 import sys, torch, tdmesh
 endpoint, token, mode = sys.argv[1:4]
@@ -16,14 +18,8 @@ with tdmesh.attach(endpoint, token) as mesh:
         x = torch.ones(2) * mesh.process_idx()
         print("attached", mode, mesh.sizes, tdmesh.fetch_shard(x, host=0, gpu=1).result().tolist(), flush=True)
     if mode == "dashboard":  # an attached client's page: the serving fleet's ranks, sampled
-        import json, time, urllib.request
-        url = tdmesh.dashboard(mesh=mesh)
-        deadline = time.monotonic() + 60
-        while True:
-            view = json.loads(urllib.request.urlopen(url + "api/fleet", timeout=30).read())
-            if all(r["rss"] for r in view["ranks"]) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        from dashboard_view import sampled_view  # tests/scripts, on PYTHONPATH
+        view = sampled_view(tdmesh.dashboard(mesh=mesh))
         print("dashboard", [(r["rank"], r["state"], bool(r["rss"])) for r in view["ranks"]], flush=True)
         tdmesh.stop_dashboard()
     if mode == "end":
@@ -57,7 +53,9 @@ def _serving_fleet(tmp_path):
 def _client(tmp_path, *args):
     script = tmp_path / "client.py"
     script.write_text(CLIENT)
-    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+    path = os.pathsep.join(p for p in (SCRIPTS, os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=path))
 
 
 def test_attach_detach_reattach_then_end_the_job(tmp_path):

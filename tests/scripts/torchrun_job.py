@@ -13,16 +13,8 @@ with mesh.activate():
     last = {d: n - 1 for d, n in mesh.sizes.items()}
     print("last rank value", tdmesh.fetch_shard(x, **last).result().tolist(), flush=True)
 if mode == "dashboard":  # the page of rank 0's client: every rank of the torchrun job, sampled
-    import json
-    import time
-    import urllib.request
-    url = tdmesh.dashboard(mesh=mesh)
-    deadline = time.monotonic() + 60
-    while True:
-        view = json.loads(urllib.request.urlopen(url + "api/fleet", timeout=30).read())
-        if all(r["rss"] for r in view["ranks"]) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    from dashboard_view import sampled_view  # beside this script
+    view = sampled_view(tdmesh.dashboard(mesh=mesh))
     print("dashboard ranks", [r["rank"] for r in view["ranks"]], "states", [r["state"] for r in view["ranks"]],
           "sampled", all(r["rss"] for r in view["ranks"]), flush=True)
     tdmesh.stop_dashboard()
