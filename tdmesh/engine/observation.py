@@ -3,7 +3,7 @@
 The reader thread hands ``Sample`` and ``Stacks`` frames here directly (they never enter the
 inbox, so the user's thread applies nothing for them); the rest is noted where the client
 already learns it: the last remote error, stuck-op warnings, lost ranks.  Until
-``start_sampling`` no worker sends a Sample, so an unwatched fleet pays nothing but this
+``sample_every`` no worker sends a Sample, so an unwatched fleet pays nothing but this
 object.  Any thread may read it: each update replaces a whole value.
 """
 
@@ -26,7 +26,6 @@ class Observations:
         self.logs: dict[int, collections.deque] = {}
         self.last_error: BaseException | None = None
         self.warnings: collections.deque[tuple[float, str]] = collections.deque(maxlen=20)
-        self.stuck_ranks: set[int] = set()
         self.lost_ranks: set[int] = set()
         self.parked = False  # the session ended by detaching: the workers wait, warm, for the next client
         self.interval = 0.0
@@ -48,9 +47,8 @@ class Observations:
                 self._answered.notify_all()
 
     # where the client learns of trouble -----------------------------------------------------------------
-    def warned(self, text: str, ranks) -> None:
+    def warned(self, text: str) -> None:
         self.warnings.append((time.time(), text))
-        self.stuck_ranks.update(ranks)
 
     def lost(self, ranks) -> None:
         self.lost_ranks.update(ranks)

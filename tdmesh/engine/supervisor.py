@@ -227,8 +227,7 @@ class Supervisor:
         named = ", ".join(client.info.ranks_of(r) for r in stuck)
         message = (f"ranks {named} have operations that have not completed after "
                    f"{params.operation_timeout:g} seconds; the oldest was issued at {client.site_of(first)}")
-        relays = client.info.relays
-        client.observations.warned(message, [r for k in stuck for r in (relays[k][1] if k in relays else (k,))])
+        client.observations.warned(message)
         if params.fail_on_operation_timeout:
             client.fail_from_supervisor(DeviceException(message + f"\n{client.info.where_logs()}"))
         else:
