@@ -14,14 +14,17 @@ first waits for the one before.  A checkpoint is complete once DCP's ``.metadata
 Run by ``python``, the script plays the notebook story: a worker is killed at step ``--die-at``,
 the mesh raises ``DeviceException``, and a new mesh loads the latest checkpoint and trains to the
 end; it then trains the same steps without a fault and checks that the losses agree bit for bit
-(exit code 1 if not).  Under torchrun (``--max-restarts``), kill a worker yourself (``kill -9``):
-torchrun restarts the job, ``tdmesh.restart_count()`` says so, and the script resumes from the
-latest checkpoint in ``--dir``.
+(exit code 1 if not).  Under torchrun (``--max-restarts``), kill a worker yourself (``kill -9``),
+or pass ``--die-at`` (the job's first run kills one): torchrun restarts the job,
+``tdmesh.restart_count()`` says so, and the script resumes from the latest checkpoint in
+``--dir``.  A job restarted after its last checkpoint (the end) trains nothing and reports the
+final loss saved with it.
 """
 
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -44,7 +47,9 @@ def seeded_batch(data, batch_size: int, block_size: int, rank, step: int):
 
 def train(mesh, directory: str, steps: int, every: int, die_at: int | None = None) -> dict[int, float]:
     """Train from the latest checkpoint in ``directory`` (or from scratch) to ``steps``; returns
-    {step: loss}.  ``die_at``: kill the mesh's last worker after that step (a fault)."""
+    {step: loss}, with the loss the checkpoint was saved after (so a job restarted once it was
+    complete still reports its final loss).  ``die_at``: kill the mesh's last worker after that
+    step (a fault: SIGKILL, as ``kill -9`` would)."""
     cfg, tokens = sized("tiny")
     batch = tdmesh.remote(seeded_batch, propagate=lambda d, b, t, r, s: (
         torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
@@ -57,10 +62,11 @@ def train(mesh, directory: str, steps: int, every: int, die_at: int | None = Non
         start = 0
         latest = tdmesh.checkpoint.latest(directory)
         if latest is not None:
-            state = {"model": model_sd, "optim": optim_sd, "step": 0}
+            state = {"model": model_sd, "optim": optim_sd, "step": 0, "loss": 0.0}
             tdmesh.checkpoint.load(state, checkpoint_id=latest)
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
             start = state["step"]
+            losses[start - 1] = state["loss"]
             print(f"resumed from {os.path.basename(latest)} (restart {tdmesh.restart_count()})", flush=True)
         data = torch.tensor(tokens)
         rank = mesh.rank(mesh.names)
@@ -83,12 +89,12 @@ def train(mesh, directory: str, steps: int, every: int, die_at: int | None = Non
                 if saving is not None:
                     saving.result()  # one checkpoint at a time: the one before is complete first
                 model_sd, optim_sd = get_state_dict(model, opt)  # keyed by parameter name, as load's
-                state = {"model": model_sd, "optim": optim_sd, "step": step + 1}
+                state = {"model": model_sd, "optim": optim_sd, "step": step + 1, "loss": losses[step]}
                 where = os.path.join(directory, f"step-{step + 1:05d}")
                 saving = tdmesh.checkpoint.async_save(state, checkpoint_id=where)
             if step == die_at:
                 with mesh.slice(**{d: mesh.size(d) - 1 for d in mesh.names}).activate():
-                    tdmesh.remote("os._exit", propagate="inspect")(9)  # the fault: a worker dies
+                    tdmesh.remote("signal.raise_signal", propagate="inspect")(signal.SIGKILL)  # a worker dies
         if saving is not None:
             saving.result()
     return losses
@@ -98,17 +104,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=5, help="steps between checkpoints")
-    p.add_argument("--die-at", type=int, default=12, help="the step after which a worker dies (python only)")
+    p.add_argument("--die-at", type=int, default=None,
+                   help="the step after which a worker dies (default 12 under python; under torchrun none, "
+                        "and only in the job's first run)")
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a fresh temporary directory)")
     args = p.parse_args()
     directory = args.dir or tempfile.mkdtemp(prefix="tdmesh-resume-")
     if "RANK" in os.environ:  # under torchrun: a restart resumes from the latest checkpoint in --dir
-        losses = train(tdmesh.world_mesh(), directory, args.steps, args.every)
+        die_at = args.die_at if tdmesh.restart_count() == 0 else None
+        losses = train(tdmesh.world_mesh(), directory, args.steps, args.every, die_at=die_at)
         print(f"final loss {losses[args.steps - 1]!r}")
         return
     try:
         with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh:
-            train(mesh, directory, args.steps, args.every, die_at=args.die_at)
+            train(mesh, directory, args.steps, args.every, die_at=12 if args.die_at is None else args.die_at)
     except tdmesh.DeviceException as e:
         print(f"the mesh failed: {str(e).splitlines()[0]}")
     print(f"latest complete checkpoint: {os.path.basename(tdmesh.checkpoint.latest(directory) or 'none')}")
@@ -117,7 +126,7 @@ def main() -> None:
     fresh = tempfile.mkdtemp(prefix="tdmesh-uninterrupted-")
     with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh:
         uninterrupted = train(mesh, fresh, args.steps, args.every)
-    same = all(resumed[s] == uninterrupted[s] for s in resumed)
+    same = all(resumed[s] == uninterrupted[s] for s in resumed)  # the checkpoint's loss too
     print(f"resumed steps {min(resumed)}..{max(resumed)} equal the uninterrupted run's bit for bit: {same}")
     if args.dir is None:
         shutil.rmtree(directory, ignore_errors=True)

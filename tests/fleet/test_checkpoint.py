@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -216,37 +214,17 @@ def test_get_state_dict_gives_a_fresh_optimizer_state_to_load_into(mesh2x2, tmp_
         assert all(torch.equal(a, b) for a, b in zip(got[key], saved[key])), key
 
 
-def _torchrun_resume(directory, *, kill_after: int | None) -> tuple[int, str]:
-    """tutorials/08_resume.py under torchrun (2 CPU ranks, 2 restarts); ``kill_after``: SIGKILL
-    the rank-1 worker once that step's loss is printed (torchrun then restarts the job)."""
-    tag = uuid.uuid4().hex
-    env = dict(os.environ, TDMESH_DEVICE="cpu", OMP_NUM_THREADS="1", CHECKPOINT_TEST_TAG=tag)
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             "--max-restarts", "2", "-m", "tdmesh.worker", TUTORIAL, "--dir", str(directory)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-    out = []
-    try:
-        for line in proc.stdout:
-            out.append(line)
-            if kill_after is not None and line.startswith(f"step {kill_after:3d} "):
-                os.kill(_worker_pid(tag, local_rank=1), signal.SIGKILL)
-                kill_after = None
-        return proc.wait(timeout=240), "".join(out)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _worker_pid(tag: str, local_rank: int) -> int:
-    """The pid of this job's worker of ``local_rank`` (found by its environment, in /proc)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if f"CHECKPOINT_TEST_TAG={tag}".encode() in env and f"LOCAL_RANK={local_rank}".encode() in env:
-            return int(pid)
-    raise AssertionError(f"no worker of local rank {local_rank} found")
+def _torchrun_resume(directory, *, die_at: int | None) -> tuple[int, str]:
+    """tutorials/08_resume.py under torchrun (2 CPU ranks, 2 restarts); ``die_at``: the job's
+    first run SIGKILLs its rank-1 worker after that step (in order on its stream, so the fault
+    lands at that step however loaded the host is; torchrun then restarts the job)."""
+    env = dict(os.environ, TDMESH_DEVICE="cpu", OMP_NUM_THREADS="1")
+    fault = [] if die_at is None else ["--die-at", str(die_at)]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "--max-restarts", "2", "-m", "tdmesh.worker", TUTORIAL, "--dir", str(directory), *fault],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                          timeout=240)
+    return proc.returncode, proc.stdout
 
 
 def _losses(out: str) -> dict[int, str]:
@@ -260,10 +238,11 @@ def _losses(out: str) -> dict[int, str]:
 
 
 def test_torchrun_restarts_the_job_after_a_worker_is_killed_and_it_resumes_bit_for_bit(tmp_path):
-    rc, plain = _torchrun_resume(tmp_path / "plain", kill_after=None)
+    rc, plain = _torchrun_resume(tmp_path / "plain", die_at=None)
     assert rc == 0, plain[-3000:]
-    rc, out = _torchrun_resume(tmp_path / "killed", kill_after=12)
+    rc, out = _torchrun_resume(tmp_path / "killed", die_at=12)
     assert rc == 0, out[-3000:]
+    assert "(exitcode: -9) local_rank: 1" in out, out[-3000:]  # torchrun saw the worker killed, and restarted the job
     resumed = re.search(r"resumed from step-(\d+) \(restart 1\)", out)
     assert resumed, out[-3000:]
     start = int(resumed.group(1))
@@ -272,7 +251,12 @@ def test_torchrun_restarts_the_job_after_a_worker_is_killed_and_it_resumes_bit_f
     want, got = _losses(plain), _losses(after)
     assert sorted(got) == list(range(start, 30))
     assert all(got[s] == want[s] for s in got), (got, want)  # every digit of each float: bit for bit
-    assert re.search(r"final loss (\S+)", after).group(1) == re.search(r"final loss (\S+)", plain).group(1)
+    final = re.search(r"final loss (\S+)", plain).group(1)
+    assert re.search(r"final loss (\S+)", after).group(1) == final
+    rc, again = _torchrun_resume(tmp_path / "plain", die_at=None)  # a job restarted once it was complete
+    assert rc == 0, again[-3000:]
+    assert "resumed from step-00030" in again and not _losses(again), again[-3000:]  # trains nothing
+    assert re.search(r"final loss (\S+)", again).group(1) == final  # and reports the loss saved with its end
 
 
 @pytest.mark.parametrize("kind", ["torch.save", "safetensors"])
