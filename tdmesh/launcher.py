@@ -68,13 +68,17 @@ def _default_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def describe_failures(processes, log_files: dict) -> str | None:
-    """What the launcher knows of dead workers: rank, pid, exit code or signal, log file."""
+def describe_failures(processes, log_files: dict, dead: set[int] | None = None) -> str | None:
+    """What the launcher knows of dead workers: rank, pid, exit code or signal, log file;
+    their ranks are added to ``dead`` (what the dashboard shows dead, read without a poll: each
+    poll of torch elastic's processes logs their failure again)."""
     result = processes.wait(timeout=0)
     if result is None:
         return None
     if not result.is_failed():
         return "every worker exited"
+    if dead is not None:
+        dead.update(result.failures)
     parts = []
     # the first failure is the cause; the launcher's own SIGTERMs to the survivors come later
     for rank, f in sorted(result.failures.items(), key=lambda item: (item[1].timestamp, item[0])):
@@ -162,8 +166,10 @@ def _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervisio
     print(f"tdmesh: {world} {'GPU' if cuda else 'CPU'} workers {how}; worker logs: {log_dir or 'this terminal'}",
           file=sys.stderr, flush=True)
 
+    dead: set[int] = set()
+
     def failed() -> str | None:
-        return describe_failures(processes, log_files)
+        return describe_failures(processes, log_files, dead)
 
     try:
         conns, hellos, gate, relays = accept_workers(store, world, host="127.0.0.1", bind="127.0.0.1",
@@ -173,7 +179,7 @@ def _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervisio
         raise
     hellos = {r: h._replace(log=log_files.get(r) or h.log) for r, h in hellos.items()}
     client = Client(conns, hellos, log_dir=log_dir, supervision=supervision, controller=controller,
-                    process_failure=failed, relays=relays)
+                    process_failure=failed, relays=relays, failed_ranks=lambda: tuple(dead))
     return Fleet(client, processes, store, log_files, gate, pool_key=pool_key, scope=scope)
 
 

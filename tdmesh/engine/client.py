@@ -53,12 +53,13 @@ class Client:
     def __init__(self, conns: dict[int, Connection], hellos: dict[int, m.Hello], log_dir: str | None = None,
                  on_shutdown: Callable[[], None] | None = None, supervision: SupervisionParams | None = None,
                  controller: ControllerParams | None = None,
-                 process_failure: Callable[[], str | None] | None = None, relays: dict | None = None) -> None:
+                 process_failure: Callable[[], str | None] | None = None, relays: dict | None = None,
+                 failed_ranks: Callable[[], tuple[int, ...]] | None = None) -> None:
         self.lock = threading.RLock()
         self.conns = conns
         self.hellos = hellos
         self.relays = relays or {}
-        self.info = FleetInfo(hellos, log_dir, process_failure, self.relays)
+        self.info = FleetInfo(hellos, log_dir, process_failure, self.relays, failed_ranks)
         self.ranks = sorted(hellos)
         self.children = sorted(conns)
         device = hellos[self.ranks[0]].device

@@ -41,10 +41,11 @@ class FleetInfo:
     and (for local_mesh) the launcher's account of a dead process."""
 
     def __init__(self, hellos: dict, log_dir: str | None, process_failure: Callable[[], str | None] | None,
-                 relays: dict | None = None) -> None:
+                 relays: dict | None = None, failed_ranks: Callable[[], tuple[int, ...]] | None = None) -> None:
         self.hellos = hellos
         self.log_dir = log_dir
         self.process_failure = process_failure
+        self.failed_ranks = failed_ranks  # the launcher's: ranks whose processes it saw fail
         self.relays = relays or {}  # child key -> (host index, ranks behind that relay)
 
     def describe(self, rank: int) -> str:

@@ -77,9 +77,10 @@ def child_of(client, rank: int) -> int:
     return rank
 
 
-def rank_state(client, rank: int, sample, operation_timeout: float) -> str:
+def rank_state(client, rank: int, sample, operation_timeout: float, dead=()) -> str:
+    """``dead``: ranks the launcher saw fail (a death the supervisor noticed before any connection closed)."""
     obs = client.observations
-    if rank in obs.lost_ranks:
+    if rank in obs.lost_ranks or rank in dead:
         return "dead"
     if client.closed:
         return "parked" if obs.parked else "exited"
@@ -116,6 +117,8 @@ def fleet_view(client, mesh, timeline: Timeline | None) -> dict:
     issued = client.last_seq + 1
     host_of = _hosts(mesh, client.ranks)
     now = time.monotonic()
+    failed_ranks = client.info.failed_ranks
+    dead = failed_ranks() if client.failure is not None and failed_ranks is not None else ()
     ranks = []
     for rank in client.ranks:
         hello = client.hellos[rank]
@@ -125,7 +128,7 @@ def fleet_view(client, mesh, timeline: Timeline | None) -> dict:
         completed = progress.get(key, 0)
         entry = {
             "rank": rank, "host": host_of.get(rank, 0), "hostname": hello.hostname, "pid": hello.pid,
-            "device": hello.device, "state": rank_state(client, rank, sample, operation_timeout),
+            "device": hello.device, "state": rank_state(client, rank, sample, operation_timeout, dead),
             "completed": completed, "behind": max(0, issued - completed),
             "ops_per_second": round(completed_rates.get(key, 0.0), 1),
             "sampled_ago": None if seen is None else round(now - seen[0], 1),
