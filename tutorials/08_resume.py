@@ -93,6 +93,7 @@ def train(mesh, directory: str, steps: int, every: int, die_at: int | None = Non
                 where = os.path.join(directory, f"step-{step + 1:05d}")
                 saving = tdmesh.checkpoint.async_save(state, checkpoint_id=where)
             if step == die_at:
+                print(f"after step {step}: the mesh's last worker is killed (--die-at {die_at})", flush=True)
                 with mesh.slice(**{d: mesh.size(d) - 1 for d in mesh.names}).activate():
                     tdmesh.remote("signal.raise_signal", propagate="inspect")(signal.SIGKILL)  # a worker dies
         if saving is not None:

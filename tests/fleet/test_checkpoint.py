@@ -242,9 +242,10 @@ def test_torchrun_restarts_the_job_after_a_worker_is_killed_and_it_resumes_bit_f
     assert rc == 0, plain[-3000:]
     rc, out = _torchrun_resume(tmp_path / "killed", die_at=12)
     assert rc == 0, out[-3000:]
-    # the first run's client saw rank 1 lost (torchrun's own log line names whichever failure it timed first:
-    # the killed rank 1, or rank 0 which it stopped), and torchrun restarted the job
-    assert re.search(r"worker rank 1 \(host [^)]*\) was lost", out), out[-3000:]
+    # the first run killed its rank-1 worker after step 12, and torchrun restarted the job (neither torchrun's
+    # log line, which names whichever failure it timed first, nor the client's error, which a SIGTERM from
+    # torchrun can cut short, is certain to be printed)
+    assert "after step 12: the mesh's last worker is killed" in out, out[-3000:]
     resumed = re.search(r"resumed from step-(\d+) \(restart 1\)", out)
     assert resumed, out[-3000:]
     start = int(resumed.group(1))
