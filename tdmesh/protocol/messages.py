@@ -244,7 +244,8 @@ class Heartbeat(NamedTuple):
 
 class Sample(NamedTuple):
     """A worker's state for the dashboard: memory (bytes), each stream's ``(id, queued, seq running or -1,
-    what, innermost line, running for s)``, and the lines it logged or printed since the last Sample."""
+    what, innermost line, running for s -- time in pdb left out)``, and the lines it logged or printed
+    since the last Sample."""
     rank: int
     rss: int
     cuda_allocated: int

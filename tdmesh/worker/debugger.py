@@ -17,6 +17,7 @@ import pdb
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,17 @@ class Console:
         self.lines: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._terminal = threading.Lock()  # one pdb session at a time on this worker
         self._holder: RemotePdb | None = None
+        # per thread: seconds spent in pdb sessions that ended, and when the open one began; the
+        # dashboard's sampler leaves that time out of a running op's age (a rank in pdb is not stuck)
+        self._pdb_seconds: dict[int, float] = {}
+        self._opened: dict[int, float] = {}
+
+    def pdb_seconds(self, thread: int | None, now: float) -> float:
+        """Seconds ``thread`` has spent in pdb sessions so far (``time.monotonic`` clock), the open one included."""
+        if thread is None:
+            return 0.0
+        opened = self._opened.get(thread)
+        return self._pdb_seconds.get(thread, 0.0) + (now - opened if opened is not None else 0.0)
 
     def breakpoint(self, *args, **kwargs) -> None:
         """``sys.breakpointhook``: stop the caller in a pdb driven from the client's terminal
@@ -44,6 +56,7 @@ class Console:
     def read_line(self, session: RemotePdb) -> str:
         """Send what ``session`` printed and wait for the user's next line (its session opens first)."""
         if self._holder is not session:
+            self._opened.setdefault(threading.get_ident(), time.monotonic())  # waiting for the terminal counts
             self._terminal.acquire()
             self._holder = session
         self.send(m.DebuggerRead(self.rank, session.stdout.take()))
@@ -53,6 +66,10 @@ class Console:
         """``session`` gives the terminal back (nothing to do if it does not hold it)."""
         if self._holder is session:
             self._holder = None
+            thread = threading.get_ident()
+            opened = self._opened.pop(thread, None)
+            if opened is not None:
+                self._pdb_seconds[thread] = self._pdb_seconds.get(thread, 0.0) + time.monotonic() - opened
             self.send(m.DebuggerDone(self.rank, session.stdout.take() + note))
             self._terminal.release()
 

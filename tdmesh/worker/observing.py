@@ -107,7 +107,7 @@ class Observer:
         self._generation = 0  # a sampler thread runs while its generation is the current one
         self._thread: threading.Thread | None = None
         self.tail: LogTail | None = None
-        self._running: dict[int, tuple[int, float]] = {}  # stream id -> (seq seen running, since)
+        self._running: dict[int, tuple[int, float, float]] = {}  # stream id -> (seq seen running, since, pdb s then)
 
     def observe(self, msg: m.Observe) -> None:
         """Start sampling, change its interval, or (0) stop it: the thread and the log tee go."""
@@ -152,6 +152,7 @@ class Observer:
         """Per stream: (id, messages queued, seq running or -1, what it runs, the innermost line, for how long)."""
         frames = sys._current_frames()
         now = time.monotonic()
+        console = self.interp.console
         states = []
         for sid, stream in sorted(self.interp.streams.items()):
             queue, thread = stream._queue, stream._thread
@@ -162,10 +163,13 @@ class Observer:
                 self._running.pop(sid, None)
                 states.append((sid, queued, -1, "", "", 0.0))
                 continue
+            in_pdb = console.pdb_seconds(thread.ident if thread is not None else None, now)
             seen = self._running.get(sid)
             if seen is None or seen[0] != seq:
-                seen = self._running[sid] = (seq, now)
-            states.append((sid, queued, seq, what, where, round(now - seen[1], 3)))
+                seen = self._running[sid] = (seq, now, in_pdb)
+            # the op's age leaves out the time its thread sat in pdb: a rank the user steps through is
+            # never shown stuck, not even by a sample taken just before the pdb session ended
+            states.append((sid, queued, seq, what, where, round(max(0.0, now - seen[1] - (in_pdb - seen[2])), 3)))
         return tuple(states)
 
 
