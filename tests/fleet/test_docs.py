@@ -74,13 +74,46 @@ def commands(code: str) -> list[tuple[dict, list[str], str]]:
 SHELL_COMMANDS = [(page, line, *c) for page, line, _, code in SHELL for c in commands(code)]
 
 
+SUITE_FILES = sorted(os.path.relpath(f, REPO) for f in glob.glob(os.path.join(REPO, "tests", "*", "test_*.py")))
+
+
+def selection(args: list[str]) -> tuple[str | None, list[str]] | None:
+    """(marker, paths) that ``python -m pytest ARGS`` selects, or None for an option not read here."""
+    marker, paths = None, []
+    words = iter(args)
+    for word in words:
+        if word == "-m":
+            marker = next(words)
+        elif word.startswith("-"):
+            if word not in ("-q", "-v", "-x"):
+                return None
+        else:
+            paths.append(os.path.normpath(word))
+    return marker, paths
+
+
+def collected_here(session, args: list[str]) -> int | None:
+    """How many of this session's own tests ``python -m pytest ARGS`` would collect, where this
+    session collected the whole suite (``python -m pytest -q`` itself is then running: a second
+    collection of ~10 s a command would show nothing new); None where it cannot tell."""
+    files = {os.path.relpath(str(item.path), REPO) for item in session.items}
+    chosen = selection(args)
+    if chosen is None or not set(SUITE_FILES) <= files:
+        return None
+    marker, paths = chosen
+    return sum(1 for item in session.items
+               if (marker is None or item.get_closest_marker(marker) is not None)
+               and (not paths or any(os.path.relpath(str(item.path), REPO).startswith(p) for p in paths)))
+
+
 @pytest.fixture(scope="module")
-def collections():
-    """Every page's ``python -m pytest`` command, collected at once (each collects the whole
-    suite, ~10 s): the command's argv -> its running collection."""
+def collections(request):
+    """Every page's ``python -m pytest`` command that this session's collection cannot answer,
+    collected at once in a subprocess (each collects the whole suite, ~10 s): argv -> its run."""
     started = {}
     for _, _, env, argv, _ in SHELL_COMMANDS:
-        if argv[:3] == ["python", "-m", "pytest"] and tuple(argv) not in started:
+        if argv[:3] == ["python", "-m", "pytest"] and tuple(argv) not in started \
+                and collected_here(request.session, argv[3:]) is None:
             started[tuple(argv)] = subprocess.Popen(
                 [sys.executable, "-m", "pytest", "--collect-only", "-p", "no:cacheprovider", *argv[3:]],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=dict(CPU, **env))
@@ -92,9 +125,13 @@ def collections():
 
 @pytest.mark.parametrize("page,line,env,argv,comment", SHELL_COMMANDS,
                          ids=[f"{c[0]}:{c[1]}:{' '.join(c[3])[:40]}" for c in SHELL_COMMANDS])
-def test_shell_command_does_what_it_says(page, line, env, argv, comment, tmp_path, collections):
+def test_shell_command_does_what_it_says(page, line, env, argv, comment, tmp_path, collections, request):
     where = f"{page}:{line}: {' '.join(argv)}"
-    if argv[:3] == ["python", "-m", "pytest"]:
+    if argv[:3] == ["python", "-m", "pytest"] and tuple(argv) not in collections:
+        for path in selection(argv[3:])[1]:  # type: ignore[index]  # not None: collected_here read it
+            assert os.path.exists(os.path.join(REPO, path)), f"{where}: no {path}"
+        assert collected_here(request.session, argv[3:]), f"{where}: this suite has no test it would run"
+    elif argv[:3] == ["python", "-m", "pytest"]:
         proc = collections[tuple(argv)]
         if not hasattr(proc, "output"):  # the same command on two pages is collected once
             proc.output = proc.communicate(timeout=300)[0]
