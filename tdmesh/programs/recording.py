@@ -252,9 +252,10 @@ def compile(fn=None, *, verify: bool = False, backend: str = "program", cuda_gra
     ``backend="program"`` (the default) runs each call on a worker as one generated function
     wherever the recording allows it (see ``tdmesh.worker.programs``); ``"messages"`` replays
     it message by message, as before programs existed (for comparison and debugging);
-    ``"inductor"`` compiles each worker's program with ``torch.compile`` (fused kernels; its
-    first call compiles, collectives run between the compiled graphs, and an error fails the
-    whole call).
+    ``"inductor"`` compiles the program's aten ops with inductor, as the FX graphs the recording
+    already is (no dynamo trace; ``tdmesh.worker.inductor``): fused kernels; its first call
+    compiles, collectives and fused optimizer kernels run between the graphs, and an error
+    fails the whole call.
     ``cuda_graph``: on a CUDA mesh, None (the default) captures the program as a CUDA graph at
     its second call where the recording qualifies (``tdmesh.programs.capture`` says when) and warns
     once where it does not; True raises instead; False never captures."""

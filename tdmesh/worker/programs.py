@@ -28,8 +28,8 @@ from torch.utils._pytree import tree_leaves
 from ..errors import ProtocolViolation
 from ..protocol import messages as m
 from . import collectives
-from .compile_once import compile_once_per_host, yielding_host_lock
 from .functions import resolve
+from .inductor import CompiledGraph, GraphBuilder, graphable
 from .ops import call_source, holds, on_device
 from .values import Poison
 
@@ -83,27 +83,49 @@ class Program:
         self._inputs: list[str] = []
         self._input_refs: set[int] = set()
         self._deleted: set[int] = set()
+        self._internal: set[int] = set()  # (inductor) refs that live and die inside one graph
         self.consts: dict[str, Any] = {"P": Poison, "one": _one, "many": _many, "interp": interp,
                                        "reduce": collectives.reduce, "reduce_many": collectives.reduce_many}
-        if inductor:  # collectives run as they are, between compiled graphs (dynamo does not trace them)
-            from torch import _dynamo
-            self.consts["reduce"] = _dynamo.disable(yielding_host_lock(collectives.reduce))
-            self.consts["reduce_many"] = _dynamo.disable(yielding_host_lock(collectives.reduce_many))
         body: list[str] = []
         self.step_of_line: dict[int, int] = {}
         self.defined_before: list[list[tuple[int, str]]] = []  # per step: (ref, local) defined by earlier steps
         self.mutated: list[int] = []  # every ref the recording writes in place
         defined: list[tuple[int, str]] = []
-        for index, c in enumerate(rec.commands):
-            lines = self._step(c, index, interp)
-            self.defined_before.append(list(defined))
+        graph: GraphBuilder | None = None  # (inductor) the graph of the aten steps since the last other step
+        held: list[str] = []  # frees of refs a pending graph may still read: after its call
+        last_read = _last_reads(rec.commands, interp) if inductor else {}
+        needed = set(rec.results) | set(self._formals)
+
+        def emit(lines: list[str], index: int) -> None:
             for line in lines:
                 body.append(line)
                 self.step_of_line[len(body) + 1] = index  # source line: "def body" is line 1
+
+        for index, c in enumerate(rec.commands):
+            self.defined_before.append(list(defined))
+            if inductor:
+                op = interp.ops.get(c[1]) if type(c) is m.CallOp else None
+                if op is not None and op.fn is not None and op.slots == len(c[4]) and graphable(op, len(c[2])):
+                    if graph is None:
+                        graph = GraphBuilder(self._use)
+                    graph.add(index, op, c[4], c[2])
+                    self.mutated.extend(c[3])
+                    continue
+                if type(c) is m.DeleteRefs and graph is not None:
+                    held.extend(self._delete(c.refs, pending=graph.nodes))
+                    continue
+                if graph is not None:
+                    emit(self._graph_call(graph, last_read, needed, defined), graph.steps[0])
+                    emit(held, index)
+                    graph, held = None, []
+            emit(self._step(c, index, interp), index)
             if type(c) is not m.DeleteRefs:
                 results, mutates, _ = _failure_targets(c, interp)
                 defined.extend((ref, self._names[ref]) for ref in results if ref is not None)
                 self.mutated.extend(mutates)
+        if graph is not None:
+            emit(self._graph_call(graph, last_read, needed, defined), graph.steps[0])
+            emit(held, len(rec.commands) - 1)
         outs: list[str] = []
         ends: list[str] = []
         for i, ref in enumerate(rec.results):
@@ -129,8 +151,6 @@ class Program:
         exec(compile(source, f"<tdmesh program {rec.id}>", "exec"), self.consts)  # noqa: S102
         self.run: Callable[[dict, tuple, tuple], bool] = self.consts["program"]
         self.code = self.consts["body"].__code__
-        if inductor:  # one compile per host: the other ranks load torch's caches
-            compile_once_per_host(self.consts, "body", source)
         self.capture_refs = [r for r in self._input_refs if r not in self._formals]
         self.result_count = len(rec.results)
 
@@ -166,20 +186,36 @@ class Program:
         targets = ", ".join(self._define(r) for r in results)
         return [f"{targets}, = many({call}, {len(results)})"]
 
-    def _callable(self, fn):
-        """An aten OpOverload's C++ callable (its ``__call__`` is one Python frame around it:
-        0.15 us an op); inductor's dynamo traces the OpOverload itself, except the fused
-        optimizer kernels, which run as they are between graphs (functionalizing their in-place
-        writes to captured parameters fails inside torch 2.11-2.13: "mutating a non-functional
-        tensor with a functional tensor")."""
-        if not isinstance(fn, torch._ops.OpOverload):
-            return fn
-        if not self.inductor:
-            return fn._op
-        if fn._schema.name.startswith("aten::_fused_"):
-            from torch import _dynamo
-            return _dynamo.disable(fn)
-        return fn
+    @staticmethod
+    def _callable(fn):
+        """An aten OpOverload's C++ callable (its ``__call__`` is one Python frame around it: 0.15 us an op)."""
+        return fn._op if isinstance(fn, torch._ops.OpOverload) else fn
+
+    def _graph_call(self, graph: GraphBuilder, last_read: dict[int, int], needed: set[int],
+                    defined: list[tuple[int, str]]) -> list[str]:
+        """(inductor) The line that calls ``graph``: it returns what a later step, the results or the
+        call's inputs read of what it defines; the rest lives and dies inside it."""
+        end = graph.steps[-1]
+        outputs = [r for r in dict.fromkeys(graph.defined) if last_read.get(r, -1) > end or r in needed]
+        self._internal.update(r for r in graph.defined if r not in outputs)
+        call = f"{self._const(CompiledGraph(graph.finish(outputs)))}({''.join(n + ', ' for n in graph.input_names)})"
+        if not outputs:
+            return [call]
+        names = [self._define(r) for r in outputs]
+        defined.extend(zip(outputs, names))
+        return ["".join(n + ", " for n in names) + "= " + call]
+
+    def _delete(self, refs, pending: dict | None = None) -> list[str]:
+        """The lines that free ``refs`` (none for a ref that lives inside a graph, or a pending one's)."""
+        lines = []
+        for r in refs:
+            inside = r in self._internal or (pending is not None and r in pending and r not in self._input_refs)
+            if not inside and (r not in self._names or r in self._input_refs):
+                raise Unsupported(f"the recording deletes ref {r}, which it did not define")
+            if not inside:
+                lines.append(f"{self._names[r]} = None")
+            self._deleted.add(r)
+        return lines
 
     def _const(self, value) -> str:
         name = f"k{len(self.consts)}"
@@ -223,13 +259,7 @@ class Program:
             scratch = ", ".join(f"{r}: {self._use(r)}" for r in c.tensors)
             return [f"reduce_many(interp, {self._const(c)}, {{{scratch}}})"]
         if t is m.DeleteRefs:
-            lines = []
-            for r in c.refs:
-                if r not in self._names or r in self._input_refs:
-                    raise Unsupported(f"the recording deletes ref {r}, which it did not define")
-                lines.append(f"{self._names[r]} = None")
-                self._deleted.add(r)
-            return ["; ".join(lines) or "pass"]
+            return ["; ".join(self._delete(c.refs)) or "pass"]
         raise Unsupported(f"{t.__name__} in the recording")
 
     # -- running -----------------------------------------------------------------------------
@@ -288,6 +318,40 @@ class Program:
         if step is None:
             return None, None, {}
         return step, error, dict(tb.tb_frame.f_locals)
+
+
+def _last_reads(commands, interp) -> dict[int, int]:
+    """Each ref's last reading step (an op's tensors and what it writes, a collective's tensors)."""
+    last: dict[int, int] = {}
+    for index, c in enumerate(commands):
+        t = type(c)
+        if t is m.CallOp:
+            read = (*c[4], *c[3])
+        elif t is m.CallFunction:
+            refs: list[int] = []
+            _collect_refs((c.args, c.kwargs), refs)
+            read = (*refs, *c.mutates)
+        elif t is m.Reduce:
+            read = tuple(r for r in (c.tensor, c.out) if r is not None)
+        elif t is m.ReduceMany:
+            read = tuple(c.tensors)
+        else:
+            continue
+        for r in read:
+            last[r] = index
+    return last
+
+
+def _collect_refs(obj, refs: list[int]) -> None:
+    t = type(obj)
+    if t is m.Ref:
+        refs.append(obj.id)
+    elif t is tuple or t is list:
+        for x in obj:
+            _collect_refs(x, refs)
+    elif t is dict:
+        for x in obj.values():
+            _collect_refs(x, refs)
 
 
 def _failure_targets(c, interp) -> tuple[tuple, tuple, Any]:

@@ -133,9 +133,8 @@ def inductor_cache_counts() -> tuple[int, int]:
 def test_the_ranks_of_a_host_compile_each_inductor_graph_once_and_meet_in_collectives(tmp_path, monkeypatch):
     """Two ranks of one host, a reduce between two compiled graphs, an empty inductor cache:
     each graph is compiled by one rank (a cache miss) while the other waits on the host lock
-    and loads it (a hit), so 2 misses and 2 hits.  The rank that compiles first lets the lock
-    go while it waits in the collective, so the other rank reaches it (holding it there hung
-    both ranks)."""
+    and loads it (a hit), so 2 misses and 2 hits.  A rank holds the lock only while it compiles
+    a graph, never in the collective between them (holding it there would hang both ranks)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     with tdmesh.local_mesh(hosts=1, gpus_per_host=2, pool=False) as mesh, mesh.activate():
         @tdmesh.compile(backend="inductor")

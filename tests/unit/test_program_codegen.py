@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from tdmesh.protocol import messages as m
@@ -169,3 +169,83 @@ def test_random_recordings_give_the_same_values_poison_and_errors_either_way(rec
     inputs = {1: torch.arange(1.0, 5.0), 2: torch.full((4,), 2.0),
               3: Poison(3, "captured failure") if poison_capture else torch.tensor([1, 2], dtype=torch.int64)}
     both(commands, (1, 2), results, inputs, calls=2)
+
+
+# ------------------------------------------------------------- inductor: graphs between other steps
+NEG = "torch.neg"  # a function, not an aten OpOverload: a step between two inductor graphs
+
+
+@st.composite
+def graph_recordings(draw):
+    """Like ``recordings``, without ops that raise, and with steps an inductor graph cannot hold
+    (a plain function) cutting the aten ops into several graphs."""
+    values = [1, 2, 3]
+    commands = []
+    next_ref = 10
+    for _ in range(draw(st.integers(1, 14))):
+        kind = draw(st.sampled_from(["add", "mul", "add_", "delete", "function"]))
+        a, b = draw(st.sampled_from(values)), draw(st.sampled_from(values))
+        if kind == "delete":
+            temps = [v for v in values if v >= 10]
+            if temps:
+                dead = draw(st.sampled_from(temps))
+                values.remove(dead)
+                commands.append(m.DeleteRefs((dead,)))
+            continue
+        if kind == "function":
+            commands.append(m.CallFunction(0, (next_ref,), (), NEG, (Ref(a),), {}))
+        elif kind == "add_":
+            commands.append(op([next_ref], 4, a, b, mutates=(a,)))
+        else:
+            commands.append(op([next_ref], {"add": 1, "mul": 2}[kind], a, b))
+        values.append(next_ref)
+        next_ref += 1
+    temps = [v for v in values if v >= 10]
+    results = draw(st.lists(st.sampled_from(temps), unique=True, max_size=3)) if temps else []
+    return commands, results
+
+
+def graphs_run_as_fx_runs_them(monkeypatch) -> None:
+    """Each inductor graph runs as FX's own interpreter runs it (hypothesis draws hundreds of
+    recordings; inductor's compile of each would take seconds): this checks which steps become
+    graphs and what flows in and out of them.  Inductor itself compiles such graphs in
+    tests/fleet/test_programs.py and bench/compile_time.py."""
+    from tdmesh.worker.inductor import CompiledGraph
+    monkeypatch.setattr(CompiledGraph, "__call__", lambda self, *args: self.module(*args))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(graph_recordings())
+def test_inductor_graphs_and_the_steps_between_them_compute_what_the_messages_compute(monkeypatch, recording):
+    graphs_run_as_fx_runs_them(monkeypatch)
+    commands, results = recording
+    assume(any(type(c) in (m.CallOp, m.CallFunction) for c in commands))
+    inputs = {1: torch.arange(1.0, 5.0), 2: torch.full((4,), 2.0), 3: torch.tensor([1.0, 2.0, 3.0, 4.0])}
+    env_i, sent_i, rec_i = run(commands, (1, 2), results, inputs, "inductor", calls=2)
+    env_m, sent_m, _ = run(commands, (1, 2), results, inputs, "messages", calls=2)
+    assert rec_i.program is not None, rec_i.unsupported
+    assert sent_i == sent_m == []
+    assert sorted(env_i) == sorted(env_m)
+    for k in env_i:
+        assert torch.equal(env_i[k], env_m[k]), k
+
+
+def test_aten_ops_between_other_steps_become_graphs_and_temporaries_stay_inside_them(monkeypatch):
+    graphs_run_as_fx_runs_them(monkeypatch)
+    # 10 = 1 + 2 and 11 = 10 * 3 (a graph; 10 lives inside it), 12 = neg(11) (a function),
+    # 2 += 12 in place and 13 = split(12) (the second graph, writing to its input 2), and a delete of 11
+    commands = (op([10], 1, 1, 2), op([11], 2, 10, 3), m.DeleteRefs((10,)),
+                m.CallFunction(0, (12,), (), NEG, (Ref(11),), {}), m.DeleteRefs((11,)),
+                op([14], 4, 2, 12, mutates=(2,)), op([15, 16], 5, 12))
+    inputs = {1: torch.arange(4.0).view(2, 2), 2: torch.ones(2, 2), 3: torch.tensor(2.0)}
+    env, _, rec = run(commands, (1, 2), (14, 16), inputs, "inductor", calls=2)
+    graphs = [v for v in rec.program.consts.values() if type(v).__name__ == "CompiledGraph"]
+    assert len(graphs) == 2  # the function between them runs as it is
+    assert len(graphs[0].module.graph.find_nodes(op="placeholder")) == 3  # 1, 2, the capture 3
+    assert len(list(graphs[0].module.graph.find_nodes(op="output")[0].args[0])) == 1  # 11 only: 10 stays inside
+    x, w = inputs[1], inputs[2].clone()
+    for _ in range(2):  # the two calls, eagerly
+        neg = -((x + w) * inputs[3])
+        w.add_(neg)
+    assert torch.equal(env[2], w)  # the second graph's in-place add wrote through to the input, twice
+    assert env[1010] is env[2] and torch.equal(env[1011], neg[1:])  # add_'s result is its input
