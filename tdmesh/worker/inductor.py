@@ -137,7 +137,10 @@ class CompiledGraph:
 def _compile_once_per_host(module: torch.fx.GraphModule, args: tuple) -> Callable[..., Any]:
     """Inductor's compile of ``module`` for ``args``, in a tracing context whose fake mode has a
     shape environment, as dynamo's has: without one, inductor's FX graph cache and AOTAutograd's
-    are bypassed ("No shape env") and every rank would compile every graph itself."""
+    are bypassed ("No shape env") and every rank would compile every graph itself.  The example
+    inputs are that mode's fakes of ``args`` with static shapes (a recording's shapes never change:
+    the client records a call with other shapes anew); real tensors there would be given symbolic
+    sizes, and the kernels would take every size as an argument."""
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -148,7 +151,9 @@ def _compile_once_per_host(module: torch.fx.GraphModule, args: tuple) -> Callabl
     with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
-                return compile_fx(module, list(args))  # type: ignore[return-value]  # a module in: a callable out
+            fake = FakeTensorMode(shape_env=ShapeEnv())
+            with tracing(TracingContext(fake)):
+                examples = [fake.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+                return compile_fx(module, examples)  # type: ignore[return-value]  # a module in: a callable out
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
