@@ -20,6 +20,7 @@ DIV = "torch.ops.aten.div.Tensor"
 ADD_ = "torch.ops.aten.add_.Tensor"
 SPLIT = "torch.ops.aten.split.Tensor"
 MM = "torch.ops.aten.mm.default"
+NEG = "torch.neg"  # a function, not an aten OpOverload: a step between two inductor graphs
 OPS = [m.DefineOp(1, ADD, (S(0), S(1)), {}), m.DefineOp(2, MUL, (S(0), S(1)), {}),
        m.DefineOp(3, DIV, (S(0), S(1)), {"rounding_mode": "floor"}), m.DefineOp(4, ADD_, (S(0), S(1)), {}),
        m.DefineOp(5, SPLIT, (S(0), 1), {}), m.DefineOp(6, MM, (S(0), S(1)), {})]
@@ -133,15 +134,16 @@ def test_what_a_program_cannot_express_replays_message_by_message(commands, reas
 
 # ------------------------------------------------------------------------ random recordings
 @st.composite
-def recordings(draw):
+def recordings(draw, kinds=("add", "mul", "div", "add_", "delete"), steps: int = 12):
     """A random straight-line recording over formals 1, 2 and capture 3: binary ops on earlier
     values (some raising: floor division of a float by an int tensor of another shape), an
-    in-place add, deletes of dead temporaries, and any earlier values as results."""
+    in-place add, deletes of dead temporaries, a plain function (``NEG``: no aten op), and any
+    earlier values as results; ``kinds`` says which of these it draws from."""
     values = [1, 2, 3]
     commands = []
     next_ref = 10
-    for _ in range(draw(st.integers(1, 12))):
-        kind = draw(st.sampled_from(["add", "mul", "div", "add_", "delete"]))
+    for _ in range(draw(st.integers(1, steps))):
+        kind = draw(st.sampled_from(kinds))
         a, b = draw(st.sampled_from(values)), draw(st.sampled_from(values))
         if kind == "delete":
             temps = [v for v in values if v >= 10]
@@ -150,7 +152,9 @@ def recordings(draw):
                 values.remove(dead)
                 commands.append(m.DeleteRefs((dead,)))
             continue
-        if kind == "add_":
+        if kind == "function":
+            commands.append(m.CallFunction(0, (next_ref,), (), NEG, (Ref(a),), {}))
+        elif kind == "add_":
             commands.append(op([next_ref], 4, a, b, mutates=(a,)))
         else:
             commands.append(op([next_ref], {"add": 1, "mul": 2, "div": 3}[kind], a, b))
@@ -172,37 +176,6 @@ def test_random_recordings_give_the_same_values_poison_and_errors_either_way(rec
 
 
 # ------------------------------------------------------------- inductor: graphs between other steps
-NEG = "torch.neg"  # a function, not an aten OpOverload: a step between two inductor graphs
-
-
-@st.composite
-def graph_recordings(draw):
-    """Like ``recordings``, without ops that raise, and with steps an inductor graph cannot hold
-    (a plain function) cutting the aten ops into several graphs."""
-    values = [1, 2, 3]
-    commands = []
-    next_ref = 10
-    for _ in range(draw(st.integers(1, 14))):
-        kind = draw(st.sampled_from(["add", "mul", "add_", "delete", "function"]))
-        a, b = draw(st.sampled_from(values)), draw(st.sampled_from(values))
-        if kind == "delete":
-            temps = [v for v in values if v >= 10]
-            if temps:
-                dead = draw(st.sampled_from(temps))
-                values.remove(dead)
-                commands.append(m.DeleteRefs((dead,)))
-            continue
-        if kind == "function":
-            commands.append(m.CallFunction(0, (next_ref,), (), NEG, (Ref(a),), {}))
-        elif kind == "add_":
-            commands.append(op([next_ref], 4, a, b, mutates=(a,)))
-        else:
-            commands.append(op([next_ref], {"add": 1, "mul": 2}[kind], a, b))
-        values.append(next_ref)
-        next_ref += 1
-    temps = [v for v in values if v >= 10]
-    results = draw(st.lists(st.sampled_from(temps), unique=True, max_size=3)) if temps else []
-    return commands, results
 
 
 def graphs_run_as_fx_runs_them(monkeypatch) -> None:
@@ -215,7 +188,7 @@ def graphs_run_as_fx_runs_them(monkeypatch) -> None:
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(graph_recordings())
+@given(recordings(kinds=("add", "mul", "add_", "delete", "function"), steps=14))  # nothing raises; graph breaks
 def test_inductor_graphs_and_the_steps_between_them_compute_what_the_messages_compute(monkeypatch, recording):
     graphs_run_as_fx_runs_them(monkeypatch)
     commands, results = recording
