@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="bf16: autocast around the forward")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--reduce-overhead", action="store_true")
+    p.add_argument("--clip", action="store_true", help="clip_grad_norm_(..., error_if_nonfinite=True) in every step")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not cpu_forced()
     rank = int(os.environ["RANK"])
@@ -54,7 +55,7 @@ def main() -> None:
         g.manual_seed(1000 * rank + step)
         x, y = get_batch(data, args.batch_size, cfg.block_size, g)
         start = time.perf_counter()
-        loss = _step(ddp, opt, x, y, args.dtype, device)
+        loss = _step(ddp, opt, x, y, args.dtype, device, args.clip)
         if step >= 3:
             times.append(time.perf_counter() - start)
     final_loss = loss.item()  # the steps the tdmesh run also takes (the profiled step below is one more)
@@ -64,7 +65,7 @@ def main() -> None:
 
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            _step(ddp, opt, x, y, args.dtype, device)
+            _step(ddp, opt, x, y, args.dtype, device, args.clip)
         if rank == 0:
             path = os.path.join(tempfile.mkdtemp(), "ddp.trace.json")
             prof.export_chrome_trace(path)
@@ -87,12 +88,15 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def _step(ddp, opt, x, y, dtype: str, device: torch.device):
-    """One synchronised DDP step (bf16: autocast around the forward); its loss."""
+def _step(ddp, opt, x, y, dtype: str, device: torch.device, clip: bool = False):
+    """One synchronised DDP step (bf16: autocast around the forward; ``clip``: gradient clipping
+    that raises on a non-finite norm, a host read every step); its loss."""
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
         loss = ddp(x, y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0, error_if_nonfinite=True)
     opt.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -117,7 +121,7 @@ def _reduce_overhead(args, cfg, data, device, rank) -> None:
         x, y = get_batch(data, args.batch_size, cfg.block_size, g)
         t = time.perf_counter()
         torch.compiler.cudagraph_mark_step_begin()
-        loss = _step(ddp, opt, x, y, args.dtype, device)
+        loss = _step(ddp, opt, x, y, args.dtype, device, args.clip)
         if step >= 3:
             times.append(time.perf_counter() - t)
     if rank == 0:

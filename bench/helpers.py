@@ -281,10 +281,11 @@ def train_optimizer(params, cuda: bool):
     return torch.optim.SGD(params, lr=0.3, momentum=0.9, foreach=True)
 
 
-def data_parallel_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = True):
+def data_parallel_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = True, clip: bool = False):
     """The benches' training step, as a user writes it: forward (under bf16 autocast if asked),
     ``opt.zero_grad(set_to_none=...)``, backward, one bucketed ``reduce_`` of every gradient
-    over the mesh (DDP's averaging), the optimizer's step; returns the detached loss."""
+    over the mesh (DDP's averaging), with ``clip`` ``clip_grad_norm_(..., error_if_nonfinite=True)``
+    (a host read every step), the optimizer's step; returns the detached loss."""
     import torch
 
     import tdmesh
@@ -295,6 +296,8 @@ def data_parallel_step(model, opt, mesh, bf16: bool = False, set_to_none: bool =
         opt.zero_grad(set_to_none=set_to_none)
         loss.backward()
         tdmesh.reduce_([p.grad for p in model.parameters()], mesh.names, "avg")
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
         opt.step()
         return loss.detach()
     return step

@@ -3,6 +3,7 @@
     python -m bench.train_step                          # 2 CPU workers, tiny model
     python -m bench.train_step --device cuda --size small --workers 2
     python -m bench.train_step --device cuda --size gpt2 --dtype bf16 --batch-size 16
+    python -m bench.train_step --clip            # every step also reads a value on the host
 
 Same model (tutorials/nanogpt.py), same initial weights, same per-rank batches, same
 optimizer, same number of workers, in one run: the DDP baseline runs under torchrun in a
@@ -42,6 +43,9 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--inductor", action="store_true", help="also backend='inductor' (compiles for a while)")
+    p.add_argument("--clip", action="store_true",
+                   help="every variant clips gradients with error_if_nonfinite=True: a host read every step, "
+                        "which a compiled step checks between the parts of its recording")
     p.add_argument("--keep-grads", action="store_true",
                    help="zero_grad(set_to_none=False): the same gradient tensors every step (default: torch's "
                         "default, new gradients every step, which a compiled step rewrites as its state)")
@@ -57,7 +61,7 @@ def main(argv=None) -> None:
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                           str(args.workers), os.path.join(ROOT, "bench", "ddp_train.py"), "--steps", str(args.steps),
                           "--size", args.size, "--dtype", args.dtype, "--batch-size", str(args.batch_size)]
-                         + (["--reduce-overhead"] if args.device == "cuda" else []),
+                         + (["--reduce-overhead"] if args.device == "cuda" else []) + (["--clip"] if args.clip else []),
                          capture_output=True, text=True, env=env, timeout=600)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("DDP_STEP_SECONDS")), None)
     if line is None:
@@ -92,7 +96,8 @@ def main(argv=None) -> None:
             if overlap is not None:
                 return overlapped_step(model, opt, mesh, args.dtype == "bf16", set_to_none=not args.keep_grads,
                                        buckets=args.buckets, how=overlap)
-            return data_parallel_step(model, opt, mesh, args.dtype == "bf16", set_to_none=not args.keep_grads)
+            return data_parallel_step(model, opt, mesh, args.dtype == "bf16", set_to_none=not args.keep_grads,
+                                      clip=args.clip)
 
         issue_s: dict = {}
 
@@ -157,7 +162,8 @@ def main(argv=None) -> None:
             step_s, final_c = timed(fn, SETUP_STEPS)
             compiled.append((label, step_s, final_c, issue_s[fn], setup_s))
     print(f"\ntrain step, {args.size} GPT, {args.dtype}, {args.workers} {args.device} workers, "
-          f"batch {args.batch_size}/worker, zero_grad(set_to_none={not args.keep_grads}), torch {torch.__version__}")
+          f"batch {args.batch_size}/worker, zero_grad(set_to_none={not args.keep_grads}), "
+          f"{'clip_grad_norm_(error_if_nonfinite=True), ' if args.clip else ''}torch {torch.__version__}")
     print(f"  torchrun DDP   : {ddp_s * 1e3:9.2f} ms/step   ({line.split('LOSS')[1].strip()} final loss)")
     if ro_line is not None:
         ro = ro_line.split()

@@ -19,7 +19,7 @@ from .coalescing import check_not_coalescing
 from .fetch import send_value
 from .tensor import Tensor, describe
 
-__all__ = ["read_on_host", "agreed", "read_name"]
+__all__ = ["read_on_host", "agreed", "read_name", "same_value"]
 
 # How messages name a host read, by a part of its op or builtin's path
 _READ_NAMES = {"_local_scalar_dense": ".item() (or float(), int(), bool())", "aten::item": ".item()",
@@ -32,14 +32,14 @@ def read_name(path: str) -> str:
     return next((name for part, name in _READ_NAMES.items() if part in path), path)
 
 
-def _same(a, b) -> bool:
+def same_value(a, b) -> bool:
     """Equal as the host sees values: NaN reads the same as NaN."""
     if a == b:
         return True
     if isinstance(a, float) and isinstance(b, float):
         return math.isnan(a) and math.isnan(b)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     return False
 
 
@@ -48,7 +48,7 @@ def agreed(per_rank, what: str, mesh) -> object:
     each rank's value and the ways out."""
     values = list(per_rank)
     first = values[0][1]
-    if all(_same(v, first) for _, v in values[1:]):
+    if all(same_value(v, first) for _, v in values[1:]):
         return first
     listed = "\n".join(f"  {point}: {_short(v)}" for point, v in values)
     raise ValueError(f"{what} reads a value on the host, and the ranks of {mesh.shape} disagree on it:\n{listed}\n"
@@ -63,10 +63,23 @@ def _short(value) -> str:
 
 
 def read_on_host(mesh, function, args, kwargs, what: str):
-    """``function(*args, **kwargs)`` on every rank of ``mesh``: its value where all agree."""
+    """``function(*args, **kwargs)`` on every rank of ``mesh``: its value where all agree.
+    Inside a compiled function's trace the sink is told of the read (``note_read``), and of its
+    value (``read_done``: None with ``ok=False`` when it failed), so that it can be a guard."""
     check_not_coalescing(f"{what} (it needs a value from the workers)")
-    per_rank = send_value(mesh, function, args, kwargs, None).result()
-    return agreed(per_rank, what, mesh)
+    sink = mesh.client.sink
+    note = getattr(sink, "note_read", None)
+    if note is None:
+        return agreed(send_value(mesh, function, args, kwargs, None).result(), what, mesh)
+    note(mesh, function, args, kwargs, what)
+    ok = False
+    value = None
+    try:
+        value = agreed(send_value(mesh, function, args, kwargs, None).result(), what, mesh)
+        ok = True
+    finally:
+        sink.read_done(value, ok)
+    return value
 
 
 def _tolist(self):

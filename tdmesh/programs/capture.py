@@ -5,8 +5,8 @@ the same as running it again: every tensor on the GPU (a CPU op would run at cap
 one stream, nothing but ops, aten calls and collectives (borrows, moves between meshes and user
 functions run Python the graph would not), no input written in place (a graph reads its inputs
 from static copies), and no result that views an input or a captured tensor (results are fresh
-copies of the graph's outputs).  Host syncs and data-dependent shapes cannot be traced into a
-compiled function at all (fetching inside one is refused).  Deciding on the client gives every
+copies of the graph's outputs).  A host read cannot be inside a graph: a recording with reads
+(``tdmesh.programs.guards``) runs its parts as programs.  Deciding on the client gives every
 rank the same mode, so NCCL collectives always pair up.
 """
 
@@ -28,6 +28,9 @@ MIN_GRAPH_OPS = 10
 def graph_blocker(rec, inputs) -> str | None:
     """Why recording ``rec`` (a ``recording._Recording``) cannot be a CUDA graph, or None;
     ``inputs``: the traced call's tensors."""
+    if rec.guards:
+        g = rec.guards[0]
+        return f"it reads a value on the host ({g.what} at {g.site}): its parts run as programs between the reads"
     streams = set()
     for _, msg, _, _ in rec.messages:
         t = type(msg)

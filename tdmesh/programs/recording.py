@@ -15,17 +15,22 @@ would give, from the first call on** (no warm-up steps).  So:
    under ``zero_grad(set_to_none=True)``) settles when two traces in a row send the same
    messages and the first one's state is gone: the recording then rewrites that state in
    place (the same refs) at every call.
-3. A **host read** inside (``.item()``, ``bool()``, a fetch, a shape only the data decides)
-   sends what was traced and runs the rest of the call eagerly, so the read sees the
-   workers' value.
+3. A **host read** of a value (``.item()``, ``bool()``, ``.tolist()``, ``torch.equal``) is a
+   guard (``tdmesh.programs.guards``): the traced call runs as the eager ops it traced (the
+   read sees the workers' value), and its recording is split at the read; a replay reads the
+   value between the parts and goes on while it is the traced one.  A different value goes
+   on from the read by running the function again (``tdmesh.programs.resume``) and the next
+   call traces again.  Any other host read (a fetch, a shape only the data decides) sends
+   what was traced and runs the rest of the call eagerly.
 4. A replay runs only while it would do what the function does now: every tensor it reads
    (captures) and keeps is still held by the program, with the metadata it was traced with,
    and every ``torch.optim`` optimizer it steps has the same settings (``lr``...).
    Otherwise the call traces again.
 
-A function whose calls run eagerly ``EAGER_AFTER`` times in a row for one reason (host
-reads every call, state that never settles, a recording stale at every call) runs eagerly
-for good, with one warning naming why and the way out.  What a replay cannot see: other
+A function whose calls run eagerly ``EAGER_AFTER`` times in a row for one reason (a read
+value that changes from call to call, other host reads every call, state that never settles,
+a recording stale at every call) runs eagerly for good, with one warning naming why and the
+way out.  What a replay cannot see: other
 Python values the function reads (a global float, a branch on Python state); ``verify=True``
 traces the first reuse again and raises if the messages differ.
 """
@@ -40,12 +45,15 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..engine.context import active_mesh_or_none
-from ..engine.placement import check_no_grad
+from ..engine.placement import check_inputs, check_no_grad
+from ..engine.stream import get_active_stream
 from ..engine.tensor import Tensor, raise_in_op
 from ..errors import UsageError, call_site, user_line
 from .capture import recording_mode
+from .guards import replay_guarded
 from .optim import watch_optimizers
 from .replay import Recording
+from .resume import resume
 from .signature import call_key, signature, tensors_key
 from .tracing import Recorder, drop_traced_borrows, forget_trace, trace_state
 
@@ -54,6 +62,8 @@ __all__ = ["compile"]
 # A function whose calls run eagerly this many times for one reason (host reads, state that
 # never settles, a recording that goes stale every call) runs eagerly from then on, warning once.
 EAGER_AFTER = 4
+READ_WAY_OUT = ("fetch after the call, or for torch.optim pass fused=True (or capturable=True on CUDA), which read "
+                "nothing on the host")
 STALE_WAY_OUT = ("keep what it reads the same tensors with the same settings (for a learning-rate scheduler, a "
                  "tensor lr=torch.tensor(...), which the scheduler updates in place)")
 
@@ -75,6 +85,8 @@ class _Compiled:
         self.settling: dict = {}  # key -> (signature, weakrefs to its state, optimizer settings) of its last
         #                           trace that made state
         self.misses: dict[str, int] = {}  # calls that ran eagerly, by why, since the last recording
+        #                                  ("guard_misses": since the last replay that passed its reads)
+        self.missed: dict = {}  # key -> why its last guarded replay missed (cleared by the trace after it)
         self.eager_because: str | None = None  # set once the function runs eagerly for good
         self.stale_run = 0  # recordings in a row that went stale before their first replay
         functools.update_wrapper(self, fn)
@@ -83,7 +95,7 @@ class _Compiled:
         key = None if kwargs else tensors_key(args)
         if key is not None:  # the common call, f(tensor, ...): no tree walk, no per-input checks
             rec = self.recordings.get(key)
-            if rec is not None and rec.verified and type(rec.client.sink) is not Recorder:
+            if rec is not None and rec.verified and rec.segments is None and type(rec.client.sink) is not Recorder:
                 captures = rec.live()
                 if captures is not None:
                     return rec.replay(args[0].mesh, args, captures)
@@ -108,6 +120,8 @@ class _Compiled:
                 return self.fn(*args, **kwargs)
         if captures is None:
             return self._trace_call(client, mesh, key, args, kwargs, inputs)
+        if rec.segments is not None:
+            return self._replay_guarded(rec, mesh, key, args, kwargs, inputs, captures)
         if self.verify and not rec.verified:
             recorder, outputs, out_flat, out_spec = self._trace(client, args, kwargs)
             again = self._settle(recorder, key, inputs, out_flat, out_spec)
@@ -138,46 +152,90 @@ class _Compiled:
             forget_trace(recorder)
             rec.release(recorded=True)
             raise
-        rec.verified = not self.verify or bool(rec.kept_refs)  # state settles only after two equal traces
+        # state settles only after two equal traces; a call with reads ran eagerly, and is not traced again
+        rec.verified = not self.verify or bool(rec.kept_refs) or bool(rec.guards)
         self.recordings[key] = rec
         rec.mode = mode
         self.last = rec
         rec.define(client, mode)
+        if rec.guards:  # its ops have run (eagerly): the recording serves the next calls
+            rec.release(recorded=False)
+            return outputs
         rec.call(mesh, inputs)
         rec.release(recorded=True)
+        return outputs
+
+    def _replay_guarded(self, rec: Recording, mesh, key, args, kwargs, inputs, captures):
+        """A call of a recording with reads: replayed while every read gives the traced value;
+        from a read that does not, the call goes on eagerly (``tdmesh.programs.resume``)."""
+        for t in inputs:
+            check_inputs((t,), t._mesh, "a compiled function", get_active_stream())
+        rec.replays += 1
+        done, result = replay_guarded(rec, mesh, inputs, captures)
+        if done:
+            self.misses.pop("guard_misses", None)
+            return result
+        guard = rec.guards[result.k]
+        del self.recordings[key]  # the next call traces again
+        outputs = resume(self.fn, args, kwargs, rec, result, inputs)
+        self.missed[key] = f"a value it reads on the host changes ({guard.what} at {guard.site}: {guard.value!r} " \
+                           f"when traced, {result.value!r} at a later call)"
+        self._eager_call(self.missed[key], "guard_misses", READ_WAY_OUT, depth=5)
         return outputs
 
     def _settle(self, recorder: Recorder, key, inputs, out_flat, out_spec) -> Recording | None:
         """What a finished trace becomes: a recording (returned, not yet released), or None when
         the call has run as eager ops (sent here) -- see the module docstring for the rules."""
+        if recorder.host_read is None and recorder.guards:
+            recorder.send_eagerly()  # the ops after the last read: the call runs as the eager ops it traced
+            if self.cuda_graph:
+                raise UsageError(f"tdmesh.compile(cuda_graph=True): {getattr(self.fn, '__name__', 'the function')} "
+                                 f"reads a value on the host ({recorder.guards[0].what} at {recorder.guards[0].site})"
+                                 f", which a CUDA graph cannot capture (this call ran eagerly); read it after the "
+                                 f"call, or use cuda_graph=None to run it as programs split at its reads"
+                                 f"\n  at {user_line()}")
         if recorder.host_read is not None:  # sent already, from the read on
             if self.cuda_graph:
                 raise UsageError(f"tdmesh.compile(cuda_graph=True): {getattr(self.fn, '__name__', 'the function')} "
                                  f"reads a value on the host ({recorder.host_read}), which a CUDA graph cannot "
                                  f"capture (this call ran eagerly); read it after the call, or use cuda_graph=None "
                                  f"to let such calls run eagerly\n  at {user_line()}")
-            self._eager_call(f"it reads a value on the host ({recorder.host_read})", "host_reads",
-                             "fetch after the call, or for torch.optim pass fused=True (or capturable=True on CUDA), "
-                             "which read nothing on the host")
+            self._eager_call(f"it reads a value on the host ({recorder.host_read})", "host_reads", READ_WAY_OUT)
             return None
         state = trace_state(recorder, out_flat)
         if state.why_eager is None:
             previous = self.settling.get(key)
-            sig = signature(recorder.messages, state.kept_refs) if state.kept else None
+            sig = (signature(recorder.messages, state.kept_refs), [repr(g.value) for g in recorder.guards]) \
+                if state.kept else None
             settings = [(type(opt).__name__, s) for opt, s in recorder.optimizers.values()]
             if state.kept and (previous is None or previous[0] != sig or any(w() is not None for w in previous[1])):
                 state.why_eager = "it made new state that later calls read"
                 if previous is not None and previous[2] != settings:
                     state.why_eager = f"the settings of {settings[0][0] if settings else 'an optimizer'} changed"
                     state.way_out = STALE_WAY_OUT
+                elif previous is not None and previous[0][1] != sig[1]:  # (its ops may differ after the read)
+                    g, before = next((g, v) for g, v, now in zip(recorder.guards, previous[0][1], sig[1]) if v != now)
+                    state.why_eager = (f"a value it reads on the host changes ({g.what} at {g.site}: {before} at one "
+                                       f"call, {g.value!r} at the next)")
+                    state.way_out = READ_WAY_OUT
                 self.settling[key] = (sig, [weakref.ref(r) for r in state.kept], settings)
         if state.why_eager is not None:
             recorder.send_eagerly()
             self._eager_call(state.why_eager, "settle_misses", state.way_out)
             return None
         self.settling.pop(key, None)
-        self.misses.clear()
         rec = Recording(recorder, inputs, out_flat, out_spec, state)
+        if rec.unsplittable is not None:  # ran eagerly already
+            self._eager_call(rec.unsplittable, "host_reads", READ_WAY_OUT)
+            return None
+        self.misses = {kind: n for kind, n in self.misses.items() if kind == "guard_misses"}
+        if rec.guards:
+            missed = self.missed.pop(key, None)
+            if missed is not None:  # traced again after a miss: a value that changes every call gets here too
+                self._eager_call(missed, "guard_misses", READ_WAY_OUT)
+                if self.eager_because is not None:
+                    return None
+            return rec
         site = call_site()
         keep = {o._r.id for o in out_flat if type(o) is Tensor} | set(state.kept_refs)
         for ref in recorder.created:  # made inside, not returned, not kept: gone (a temporary)
@@ -186,12 +244,12 @@ class _Compiled:
                 r.dropped_at = site
         return rec
 
-    def _eager_call(self, why: str, kind: str, way_out: str) -> None:
+    def _eager_call(self, why: str, kind: str, way_out: str, depth: int = 6) -> None:
         """This call ran eagerly; after ``EAGER_AFTER`` such calls the function runs eagerly
         for good."""
         self.misses[kind] = self.misses.get(kind, 0) + 1
         if self.misses[kind] >= EAGER_AFTER:
-            self._eager_for_good(why, way_out, depth=6)
+            self._eager_for_good(why, way_out, depth=depth)
 
     def _eager_for_good(self, why: str, way_out: str, depth: int) -> None:
         """Run eagerly from now on, with one warning (at the user's call: ``depth`` frames up)
@@ -233,6 +291,10 @@ class _Compiled:
                     raise_in_op("REQUIRES_GRAD", f"a compiled function cannot return tensor {o.ref}, which "
                                                  f"requires grad")
         except BaseException:
+            if recorder.sent:  # the ops before a read ran: so do those after it, as eager torch's would have
+                recorder.send_eagerly()
+                recorder.release(recorded=False)
+                raise
             if recorder.host_read is None:  # nothing was sent
                 forget_trace(recorder)
             recorder.release(recorded=True)
@@ -258,7 +320,9 @@ def compile(fn=None, *, verify: bool = False, backend: str = "program", cuda_gra
     fails the whole call.
     ``cuda_graph``: on a CUDA mesh, None (the default) captures the program as a CUDA graph at
     its second call where the recording qualifies (``tdmesh.programs.capture`` says when) and warns
-    once where it does not; True raises instead; False never captures."""
+    once where it does not; True raises instead; False never captures.  A function that reads
+    values on the host (``.item()``, ``bool()``) runs as parts between its reads, each read checked
+    at every call (the module docstring says how); ``verify=True`` checks recordings without reads."""
     if fn is None:
         return lambda f: _Compiled(f, verify, backend, cuda_graph)
     return _Compiled(fn, verify, backend, cuda_graph)

@@ -20,6 +20,7 @@ from ..engine.propagation import SparseMeta
 from ..engine.stream import get_active_stream
 from ..engine.tensor import Tensor
 from ..protocol import messages as m
+from .guards import split
 from .optim import hyperparameters
 from .signature import first_difference, signature
 from .tracing import Recorder, TraceState
@@ -38,6 +39,7 @@ class Recording:
         self.mode = "program"
         self.replays = 0
         self.formals = [t.ref for t in inputs]
+        self.first_ref = recorder.first_ref  # refs from here on were made by the trace
         defined: list[int] = []
         used: list[int] = []
         mutated: list[int] = []
@@ -56,6 +58,7 @@ class Recording:
         held = [(r, state.captures[r]) for r in self.capture_refs if state.captures.get(r) is not None]
         self.captures = [t for _, t in held]
         self._capture_names = [r for r, _ in held]
+        self.capture_names = self._capture_names
         self._weak_captures = [weakref.ref(t) for t in self.captures]
         self.mutated_outside = [r for r in dict.fromkeys(mutated) if r not in self.defined]
         self.formal_index = {r: i for i, r in enumerate(self.formals)}
@@ -90,6 +93,36 @@ class Recording:
         self.dense_results = None if any(isinstance(r[0], SparseMeta) for r in results) else results
         self.single_result = len(self.outputs) == 1 and self.outputs[0][0] == "result" and out_spec.num_leaves == 1 \
             and out_spec.num_children == 0
+        self.guards = recorder.guards
+        self.segments: list | None = None
+        self.unsplittable: str | None = None  # why a trace with reads is no recording
+        if self.guards:
+            self._split(recorder, inputs, out_flat, state)
+
+    def _split(self, recorder: Recorder, inputs: list, out_flat: list, state: TraceState) -> None:
+        """A trace with reads: its segments (``tdmesh.programs.guards``), the tensors its reads
+        read besides those of its ops (held weakly, as captures), and where its state lives."""
+        formal_set = set(self.formals)
+        for g in self.guards:
+            for r in g.capture_refs:
+                t = state.captures.get(r)
+                if r not in formal_set and r not in self._capture_names and t is not None:
+                    self._capture_names.append(r)
+                    self._weak_captures.append(weakref.ref(t))
+                    self.capture_metas.append(t._meta)
+        alias_of = {r: a for g in self.guards for r, a in g.carried}
+        alias_of.update((o.ref, o._r.aliases) for o in out_flat if type(o) is Tensor and o.ref in self.defined)
+        captured = {r: state.captures[r]._r.aliases for r in self._capture_names if state.captures.get(r) is not None}
+        ends = [o.ref for o in out_flat if type(o) is Tensor and o.ref in self.defined]
+        segments = split(self.messages, self.guards, self.formals, recorder.first_ref, ends, self.kept_refs,
+                         recorder.metas, alias_of, [t._r.aliases for t in inputs], captured)
+        for g in self.guards:
+            g.carried = [(r, None) for r, _ in g.carried]  # the AliasSets are not held past the trace
+        if isinstance(segments, str):
+            self.unsplittable = segments
+            return
+        self.segments = segments
+        self.kept_places = {r: recorder.metas[r][2:4] for r in self.kept_refs}
 
     def release(self, recorded: bool) -> None:
         """The recording's first call is queued: send the frees its trace held back."""
@@ -131,19 +164,13 @@ class Recording:
 
     def define(self, client, mode: str) -> None:
         self.client = client
-        # ranks that run the same messages get one definition (most recordings: every rank)
-        sets = {id(ranks): frozenset(ranks) for ranks, *_ in self.messages}
-        groups: dict[tuple, list[int]] = {}
-        for rank in self.ranks:
-            groups.setdefault(tuple(rank in s for s in sets.values()), []).append(rank)
-        for member, ranks in groups.items():
-            inside = {key for key, yes in zip(sets, member) if yes}
-            commands = tuple(msg for r, msg, _, _ in self.messages if id(r) in inside)
-            step = m.MAX_COMMANDS_PER_CHUNK
-            chunks = [commands[i:i + step] for i in range(0, len(commands), step)] or [()]
-            for index, chunk in enumerate(chunks):
-                client.send_setup(m.DefineRecording(self.id, chunk, tuple(self.formals), tuple(self.results),
-                                                    index, len(chunks), mode), ranks=tuple(ranks))
+        if self.segments is None:
+            _define(client, self.id, self.messages, self.ranks, self.formals, self.results, mode)
+            return
+        for seg in self.segments:  # a guarded recording: one recording per segment that has ops
+            if seg.messages:
+                seg.id = next(_recording_ids)
+                _define(client, seg.id, seg.messages, seg.ranks, seg.formals, seg.new + list(seg.kept), mode)
 
     def call(self, mesh, inputs: list, traced: Recording | None = None) -> None:
         """Run the recording for a call that was just traced: its results are the traced refs."""
@@ -175,6 +202,7 @@ class Recording:
         return written
 
     def replay(self, mesh, inputs: Sequence[Tensor], captures: list):
+        """One call: its outputs (a guarded recording's replay is ``guards.replay_guarded``)."""
         self.replays += 1
         stream = get_active_stream()
         for t in inputs:  # dropped or borrowed since the trace? (inputs may come from several meshes)
@@ -207,3 +235,20 @@ class Recording:
                                out_mesh))
         proxies = self._send(mesh, inputs, captures, new)
         return tree_unflatten([proxies[v] if is_new else v for is_new, v in slots], self.out_spec)
+
+
+def _define(client, recording: int, messages: list, ranks: list, formals: list, results: list, mode: str) -> None:
+    """Define ``messages`` on the workers as recording ``recording``: ranks that run the same
+    messages get one definition (most recordings: every rank), in chunks."""
+    sets = {id(r): frozenset(r) for r, *_ in messages}
+    groups: dict[tuple, list[int]] = {}
+    for rank in ranks:
+        groups.setdefault(tuple(rank in s for s in sets.values()), []).append(rank)
+    for member, group in groups.items():
+        inside = {key for key, yes in zip(sets, member) if yes}
+        commands = tuple(msg for r, msg, _, _ in messages if id(r) in inside)
+        step = m.MAX_COMMANDS_PER_CHUNK
+        chunks = [commands[i:i + step] for i in range(0, len(commands), step)] or [()]
+        for index, chunk in enumerate(chunks):
+            client.send_setup(m.DefineRecording(recording, chunk, tuple(formals), tuple(results), index, len(chunks),
+                                                mode), ranks=tuple(group))

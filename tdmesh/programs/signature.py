@@ -13,10 +13,16 @@ from ..protocol import messages as m
 
 
 def signature(messages, kept=()) -> list:
+    """A recording's ``(ranks, message, uses, defs)`` list as :func:`signature_names` numbers it."""
+    return signature_names(messages, kept)[0]
+
+
+def signature_names(messages, kept=()) -> tuple[list, dict[int, int]]:
     """A recording's ``(ranks, message, uses, defs)`` list with its refs, borrow ids and seqs
     numbered by first appearance (the ref fields are those of ``messages.REF_FIELDS``): two
     traces that send the same operations have equal signatures.  ``kept``: the refs a trace
-    leaves as state, whose places among its refs are part of the signature."""
+    leaves as state, whose places among its refs are part of the signature.  Also returns the
+    numbering (ref -> number): equal signatures number corresponding refs alike."""
     names: dict[int, int] = {}
     counter = itertools.count()
 
@@ -60,7 +66,7 @@ def signature(messages, kept=()) -> list:
         rows.append(tuple(row))
     if kept:
         rows.append(("kept", tuple(ref(r) for r in kept)))
-    return rows
+    return rows, names
 
 
 

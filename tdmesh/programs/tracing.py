@@ -3,9 +3,14 @@
 While a compiled function is traced, every op it issues is kept here instead of being sent.
 What the call then becomes is decided from what it left behind (``Trace``):
 
-- **a host read** (``.item()``, ``bool()``, a fetch, a shape only the data decides) sends
-  everything kept so far, in order, and the rest of the call runs eagerly: the read gets the
-  workers' value as it would without ``tdmesh.compile``;
+- **a host read** of a value (``.item()``, ``bool()``, ``.tolist()``, ``torch.equal``) sends
+  the ops kept so far and reads the value as eager torch would; the trace goes on, and the
+  read becomes a **guard** of the recording (``tdmesh.programs.guards``): the value it read,
+  and the tensors the call held at that point (the live ones a later part may use).  The ops
+  traced after the last read are sent when the call returns: a call with reads runs as the
+  eager ops it traced, and the recording serves the calls after it;
+- **another host read** (a fetch, a wait, a shape only the data decides) sends everything
+  kept so far, in order, and the rest of the call runs eagerly;
 - **state**: tensors the call made that outlive it without being returned (``.grad``, an
   optimizer's ``state``, a lazily built module, anything the function stored) are sent as
   the eager ops they were, so they exist on the workers as the program sees them; later
@@ -25,8 +30,10 @@ import weakref
 from typing import Any
 
 from ..engine.host_reads import read_name
+from ..engine.propagation import TensorMeta
 from ..errors import call_site, user_line
 from ..protocol import messages as m
+from .guards import Guard
 
 __all__ = ["Recorder", "host_read_name", "live_after"]
 
@@ -49,19 +56,53 @@ class Recorder:
         self.host_read: str | None = None  # what made the call eager: "<op> at <user line>"
         self.finished = False  # the function returned: every free waits until the outcome is sent
         self.optimizers: dict[int, tuple] = {}  # torch optimizers stepped by the call (tdmesh.programs.optim's hook)
+        self.sent = 0  # entries sent already: the ops before the last guard read
+        self.guards: list[Guard] = []  # the reads of values the call made, in order
+        self.reading: Guard | None = None  # the read in flight (noted by read_on_host)
+        self.metas: dict[int, tuple] = {}  # per ref the trace made: (meta, device, mesh, stream)
+
+    def note_read(self, mesh, function, args, kwargs, what: str) -> None:
+        """``read_on_host`` is about to read a value: it may become a guard (``submit`` decides)."""
+        if self.host_read is None and self.client.sink is self and self.reading is None:
+            self.reading = Guard(mesh, function, args, kwargs, what, self.first_ref)
+
+    def read_done(self, value, ok: bool) -> None:
+        """The read's value, which every rank agreed on: the guard's expected value.  A read that
+        failed (the ranks disagreed) is no guard: if the function goes on, it runs eagerly."""
+        guard, self.reading = self.reading, None
+        if guard is None or guard.index < 0:
+            return
+        if ok:
+            guard.value = value
+            self.guards.append(guard)
+        elif self.host_read is None:
+            self.host_read = f"{guard.what}, which failed, at {guard.site}"
+            self.send_eagerly()
 
     def submit(self, ranks, msg, seq=None, uses=(), defs=(), future=None, inputs=(), deletes_first=False,
                outputs=(), site=None) -> None:
         if self.host_read is None and type(msg) in _HOST_READS:
+            reading = self.reading
+            if reading is not None and (reading.index >= 0 or self._guard(reading, msg)):
+                self.client.submit(ranks, msg, seq, uses, defs, future, inputs, deletes_first, outputs, site)
+                return
+            self.reading = None
             self.host_read = f"{host_read_name(msg)} at {user_line()}"
             self.send_eagerly()
         if self.client.sink is not self:  # eager from the host read on
             self.client.submit(ranks, msg, seq, uses, defs, future, inputs, deletes_first, outputs, site)
             return
+        first = self.first_ref
         for t in inputs:
-            self.seen[t.ref] = t
-        self.created.extend(weakref.ref(t._r) for t in outputs)
-        self.devices.update(t.device.type for t in outputs)
+            ref = t._r.id
+            if ref < first:  # a tensor from before the call: a capture (trace-made ones are not held here)
+                self.seen[ref] = t
+        metas = self.metas
+        for t in outputs:
+            self.created.append(weakref.ref(t._r))
+            device = t.device
+            self.devices.add(device.type)
+            metas[t._r.id] = (t._meta, device, t._mesh, t._stream)
         if seq is not None and site is None:
             site = call_site()
         self.entries.append((ranks, msg, seq, uses, defs, future, site))
@@ -70,6 +111,27 @@ class Recorder:
     def messages(self) -> list[tuple[tuple, object, list, list]]:
         """The kept ops as a recording holds them: ``(ranks, message, uses, defs)``."""
         return [(tuple(ranks), msg, list(uses), list(defs)) for ranks, msg, _, uses, defs, _, _ in self.entries]
+
+    def _guard(self, guard: Guard, msg) -> bool:
+        """Whether the read ``msg`` (a SendValue) becomes ``guard``: then the ops kept so far are
+        sent (kept too, for the recording) and the read goes out; the trace goes on."""
+        if type(msg) is not m.SendValue or not guard.bind_trace(self.seen, self.metas):
+            return False
+        live = live_after(self.created)
+        if any(not isinstance(self.metas[r.id][0], TensorMeta) for r in live):
+            return False  # a sparse tensor crosses the read: its per-call proxy has no fixed shape
+        guard.index = len(self.entries)
+        guard.carried = [(r.id, r.aliases) for r in live]
+        self.send_sofar()
+        return True
+
+    def send_sofar(self) -> None:
+        """Send the entries not sent yet, keeping them: they are part of the recording too."""
+        client = self.client
+        with client.lock:
+            for ranks, msg, seq, uses, defs, future, site in self.entries[self.sent:]:
+                client.submit(ranks, msg, seq, uses, defs, future, (), False, (), site)
+            self.sent = len(self.entries)
 
     def hold_delete(self, ref: int, mesh) -> bool:
         """Whether the free of ``ref`` (a proxy died) waits for the trace's outcome: refs the
@@ -81,14 +143,12 @@ class Recorder:
         return True
 
     def send_eagerly(self) -> None:
-        """Send every op kept so far as the client would have, and stop keeping: the call runs
-        eagerly from here on."""
+        """Send every op kept and not sent yet as the client would have, and stop keeping: the
+        call runs eagerly from here on (the entries stay, for a recording of a guarded call)."""
         client = self.client
         with client.lock:
             client.sink = client
-            for ranks, msg, seq, uses, defs, future, site in self.entries:
-                client.submit(ranks, msg, seq, uses, defs, future, (), False, (), site)
-            self.entries = []
+            self.send_sofar()
             held, self.held_deletes = self.held_deletes, None
             if client.delete_holder is self:
                 client.delete_holder = None

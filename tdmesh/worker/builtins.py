@@ -175,3 +175,9 @@ def restore_log_levels() -> None:
         logging.getLogger(logger or None).setLevel(level)
     _levels_before.clear()
 
+
+
+def same(*values) -> tuple:
+    """Its arguments: binds new refs to values the worker holds (a compiled call that goes on
+    after a host read missed names the replay's tensors as its Python holds them)."""
+    return values
