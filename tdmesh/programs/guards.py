@@ -59,6 +59,7 @@ class Guard:
         self.value: object = None
         self.carried: list = []
         self.capture_refs: list[int] = []  # tensors from before the call that the read reads
+        self.message: tuple = ()  # the read as the trace sent it (ranks, SendValue, uses, defs)
 
     def bind_trace(self, seen: dict, metas: dict) -> bool:
         """Name the read's tensors by ref (those from before the call join ``seen``, as

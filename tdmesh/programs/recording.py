@@ -205,16 +205,18 @@ class _Compiled:
         state = trace_state(recorder, out_flat)
         if state.why_eager is None:
             previous = self.settling.get(key)
-            sig = (signature(recorder.messages, state.kept_refs), [repr(g.value) for g in recorder.guards]) \
-                if state.kept else None
+            values = [repr(g.value) for g in recorder.guards]
+            sig = (signature(recorder.messages, state.kept_refs), values) if state.kept else None
             settings = [(type(opt).__name__, s) for opt, s in recorder.optimizers.values()]
             if state.kept and (previous is None or previous[0] != sig or any(w() is not None for w in previous[1])):
                 state.why_eager = "it made new state that later calls read"
+                changed = [(g, v) for g, v, now in zip(recorder.guards, previous[0][1], values) if v != now] \
+                    if previous is not None else []
                 if previous is not None and previous[2] != settings:
                     state.why_eager = f"the settings of {settings[0][0] if settings else 'an optimizer'} changed"
                     state.way_out = STALE_WAY_OUT
-                elif previous is not None and previous[0][1] != sig[1]:  # (its ops may differ after the read)
-                    g, before = next((g, v) for g, v, now in zip(recorder.guards, previous[0][1], sig[1]) if v != now)
+                elif changed:  # a read's value changed (and, maybe, the ops after it)
+                    g, before = changed[0]
                     state.why_eager = (f"a value it reads on the host changes ({g.what} at {g.site}: {before} at one "
                                        f"call, {g.value!r} at the next)")
                     state.way_out = READ_WAY_OUT

@@ -52,6 +52,8 @@ class Resumer:
         self.created: list = []
         self.reads = 0
         self.resumed = False
+        self.names: tuple = ({}, {})  # the numberings of the last check: the trace's, the re-run's
+        self.held: list[tuple[int, object]] = []  # frees of older tensors, sent once the re-run's are bound
         client.sink = self
         client.delete_holder = self
 
@@ -62,8 +64,13 @@ class Resumer:
         pass
 
     def hold_delete(self, ref: int, mesh) -> bool:
-        """The re-run's own tensors were never sent before the read: their frees are dropped."""
-        return not self.resumed and ref >= self.first_ref
+        """Until the read, the re-run's own tensors name nothing on the workers: their frees are
+        dropped; older ones wait (one may be the state a re-run tensor is bound to)."""
+        if self.resumed:
+            return False
+        if ref < self.first_ref:
+            self.held.append((ref, mesh))
+        return True
 
     def submit(self, ranks, msg, seq=None, uses=(), defs=(), future=None, inputs=(), deletes_first=False,
                outputs=(), site=None) -> None:
@@ -73,14 +80,14 @@ class Resumer:
         if type(msg) is m.RequestStatus:  # the read's own: its value is here already
             return
         self.created.extend(weakref.ref(t._r) for t in outputs)
+        self.messages.append((tuple(ranks), msg, list(uses), list(defs)))
         if type(msg) is not m.SendValue:
-            self.messages.append((tuple(ranks), msg, list(uses), list(defs)))
             return
         j = self.reads
         self.reads += 1
-        guards = self.rec.guards
-        if j > self.miss.k or len(self.messages) != guards[j].index:
-            raise self.diverged(f"read {j + 1} comes after {len(self.messages)} operations")
+        if j > self.miss.k:
+            raise self.diverged(f"it made more reads than the {j} before that one")
+        self._check(j)  # the same ops and reads so far: the read gets this call's value
         future._set_result(self.miss.values[j])
         if j == self.miss.k:
             self._resume()
@@ -93,13 +100,27 @@ class Resumer:
                           f"it was traced ({detail}), and those that ran cannot be taken back. Keep what decides "
                           f"the operations before a host read in tensors, or read the value after the compiled call")
 
+    def _check(self, j: int) -> None:
+        """The re-run issued what the trace issued up to its read ``j`` (the read included):
+        the same ops and reads on corresponding tensors (see ``_resume``)."""
+        guards = self.rec.guards
+        traced: list = []
+        start = 0
+        for g in guards[:j + 1]:
+            traced.extend(self.rec.messages[start:g.index])
+            traced.append(g.message)
+            start = g.index
+        theirs, their_names = signature_names(traced)
+        mine, my_names = signature_names(self.messages)
+        if mine != theirs:
+            at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            raise self.diverged(f"operation {at} of {len(theirs)} before the read differs")
+        self.names = (their_names, my_names)
+
     def _resume(self) -> None:
         rec, miss = self.rec, self.miss
         guard = rec.guards[miss.k]
-        theirs, their_names = signature_names(rec.messages[:guard.index])
-        mine, my_names = signature_names(self.messages)
-        if mine != theirs:
-            raise self.diverged("another operation")
+        their_names, my_names = self.names
         traced = {i: r for r, i in their_names.items()}
         actual = {f: t._r.id for f, t in zip(rec.formals, self.inputs)}
         carried = {r for r, _ in guard.carried}
@@ -143,6 +164,13 @@ class Resumer:
                 msg = m.CallFunction(seq, names, (), "tdmesh.worker.builtins.same", tuple(m.Ref(s) for s in sources),
                                      {}, stream.id)
                 client.submit(mesh.rank_list, msg, seq, sources, list(names), None, (), False, (), site)
+            self._release()
+
+    def _release(self) -> None:
+        """Send the frees held back (after the bindings, which may read what they free)."""
+        held, self.held = self.held, []
+        for ref, mesh in held:
+            self.client.delete_ref(ref, mesh)
 
     def abandon(self) -> None:
         """The call failed before it could go on: the re-run's tensors name nothing on the workers."""
@@ -152,6 +180,7 @@ class Resumer:
                 client.sink = client
             if client.delete_holder is self:
                 client.delete_holder = None
+            self._release()
         if not self.resumed:
             site = call_site()
             for w in self.created:

@@ -83,7 +83,7 @@ class Recorder:
                outputs=(), site=None) -> None:
         if self.host_read is None and type(msg) in _HOST_READS:
             reading = self.reading
-            if reading is not None and (reading.index >= 0 or self._guard(reading, msg)):
+            if reading is not None and (reading.index >= 0 or self._guard(reading, (ranks, msg, uses, defs))):
                 self.client.submit(ranks, msg, seq, uses, defs, future, inputs, deletes_first, outputs, site)
                 return
             self.reading = None
@@ -112,11 +112,14 @@ class Recorder:
         """The kept ops as a recording holds them: ``(ranks, message, uses, defs)``."""
         return [(tuple(ranks), msg, list(uses), list(defs)) for ranks, msg, _, uses, defs, _, _ in self.entries]
 
-    def _guard(self, guard: Guard, msg) -> bool:
-        """Whether the read ``msg`` (a SendValue) becomes ``guard``: then the ops kept so far are
-        sent (kept too, for the recording) and the read goes out; the trace goes on."""
+    def _guard(self, guard: Guard, read: tuple) -> bool:
+        """Whether the read (``submit``'s ranks, message, uses, defs; a SendValue) becomes
+        ``guard``: then the ops kept so far are sent (kept too, for the recording) and the read
+        goes out; the trace goes on."""
+        ranks, msg, uses, defs = read
         if type(msg) is not m.SendValue or not guard.bind_trace(self.seen, self.metas):
             return False
+        guard.message = (tuple(ranks), msg, list(uses), list(defs))
         live = live_after(self.created)
         if any(not isinstance(self.metas[r.id][0], TensorMeta) for r in live):
             return False  # a sparse tensor crosses the read: its per-call proxy has no fixed shape

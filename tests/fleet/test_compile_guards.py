@@ -186,3 +186,36 @@ def test_gradient_clipping_that_checks_for_non_finite_norms_replays_past_its_rea
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
     (rec,) = f.recordings.values()
     assert rec.guards and rec.replays >= 3 and f.eager_because is None
+
+
+def test_a_miss_binds_the_state_the_re_run_drops_before_that_state_is_freed(mesh1):
+    """``zero_grad()`` in the re-run drops the gradients the replay wrote (the recording's state)
+    and backward makes new ones, which the re-run binds to them at the read: their frees wait
+    until then, even when the client flushes in between (a slow step: the flusher runs)."""
+    import time
+
+    torch.manual_seed(0)
+    with tdmesh.no_mesh.activate():
+        init = torch.nn.Linear(4, 1).state_dict()
+    data = [torch.full((3, 4), float(v)) for v in (1, 1, 1, -1, 1)]
+    runs = []
+    for compiled in (False, True):
+        with mesh1.activate():
+            model = torch.nn.Linear(4, 1)
+            model.load_state_dict(tdmesh.to_mesh(init, mesh1))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+            def step(x):
+                opt.zero_grad()  # set_to_none: the state the recording rewrites is dropped here
+                time.sleep(0.05)
+                model(x).pow(2).mean().backward()
+                if bool(x.mean() < 0):
+                    for p in model.parameters():
+                        p.grad.mul_(-1)
+                opt.step()
+
+            f = tdmesh.compile(step) if compiled else step
+            for x in data:
+                f(tdmesh.to_mesh(x, mesh1))
+            runs.append([inspect(p.detach()) for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
