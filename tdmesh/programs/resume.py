@@ -3,7 +3,8 @@
 The workers have run the ops before the read, and the client cannot resume Python half-way
 through a function, so the function runs again with a ``Resumer`` as the client's sink: the
 ops it issues before the read are not sent but matched against the recording (the same ops on
-the same tensors, by signature), its earlier reads get the values this call read, and at the
+the same tensors, by signature; an op's ``mutates`` are left out, since they list whatever else
+aliases what it writes, the replay's tensors too), its earlier reads get the values this call read, and at the
 read that missed every tensor it holds is bound to the one the replay made for the trace's
 tensor in its place (one ``same`` call per mesh and stream on the workers).  Then the read
 returns the new value and the rest of the call runs eagerly, as the function would.
@@ -110,8 +111,8 @@ class Resumer:
             traced.extend(self.rec.messages[start:g.index])
             traced.append(g.message)
             start = g.index
-        theirs, their_names = signature_names(traced)
-        mine, my_names = signature_names(self.messages)
+        theirs, their_names = signature_names(traced, aliases=False)
+        mine, my_names = signature_names(self.messages, aliases=False)
         if mine != theirs:
             at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
             raise self.diverged(f"operation {at} of {len(theirs)} before the read differs")

@@ -17,12 +17,14 @@ def signature(messages, kept=()) -> list:
     return signature_names(messages, kept)[0]
 
 
-def signature_names(messages, kept=()) -> tuple[list, dict[int, int]]:
+def signature_names(messages, kept=(), aliases: bool = True) -> tuple[list, dict[int, int]]:
     """A recording's ``(ranks, message, uses, defs)`` list with its refs, borrow ids and seqs
     numbered by first appearance (the ref fields are those of ``messages.REF_FIELDS``): two
     traces that send the same operations have equal signatures.  ``kept``: the refs a trace
     leaves as state, whose places among its refs are part of the signature.  Also returns the
-    numbering (ref -> number): equal signatures number corresponding refs alike."""
+    numbering (ref -> number): equal signatures number corresponding refs alike.  Without
+    ``aliases`` an op's ``mutates`` are left out: they name every live alias of what it writes
+    (the client's bookkeeping, which depends on what else is alive), not what the op does."""
     names: dict[int, int] = {}
     counter = itertools.count()
 
@@ -53,7 +55,7 @@ def signature_names(messages, kept=()) -> tuple[list, dict[int, int]]:
         row: list = [ranks, type(msg).__name__]
         for field, value in zip(msg_._fields, msg_):
             kind = kinds.get(field)
-            if field == "seq":
+            if field == "seq" or (field == "mutates" and not aliases):
                 continue
             if kind in ("def", "use", "borrow"):
                 row.append(ref(value))

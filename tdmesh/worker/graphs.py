@@ -10,7 +10,8 @@ The first call runs the program (warm-up: cuBLAS handles, NCCL communicators, th
 the second captures it with static copies of the inputs and replays it; later calls copy their
 inputs into those copies and replay.  Captured tensors are read and written where they are
 (their memory never moves: the client holds them for as long as the recording exists); results
-are fresh tensors (copies of the graph's outputs, which the next replay overwrites).  A call
+are fresh tensors (copies of the graph's outputs, which the next replay overwrites; one
+multi-tensor copy for all of them).  A call
 with a poisoned input runs the program instead (message-by-message semantics), and a capture
 that fails (a host sync, a CPU op feeding the device, ...) leaves the recording a program for
 good, with a warning in the worker's log; in mode ``cuda_graph_required`` it fails the call.
@@ -84,8 +85,15 @@ class GraphedProgram:
                 if static.data_ptr() != value.data_ptr():
                     static.copy_(value)
         self.graph.replay()
-        for ref, out in zip(call.results, self.static_outputs):
-            env[ref] = out.clone()
+        # fresh results: allocated one by one (the caching allocator: no kernel) and filled by one
+        # multi-tensor copy, not a clone (a kernel launch) each: a training step's gradients are
+        # about a hundred results
+        outs = self.static_outputs
+        fresh = [torch.empty_like(out) for out in outs]
+        if fresh:
+            torch._foreach_copy_(fresh, outs)
+        for ref, value in zip(call.results, fresh):
+            env[ref] = value
 
     def _capture(self, inputs: list[torch.Tensor], env: dict) -> None:
         program = self.program
