@@ -16,14 +16,14 @@ from tdmesh import inspect
 from tdmesh.errors import UsageError
 
 
-def _both(mesh, make, inputs):
+def _both(mesh, make, inputs, backend="program"):
     """Run ``make()``'s function eagerly and compiled on the same inputs: (eager, compiled, fn)."""
     results = []
     fn = None
     for compiled in (False, True):
         with mesh.activate():
             f, state = make()
-            g = tdmesh.compile(f) if compiled else f
+            g = tdmesh.compile(f, backend=backend) if compiled else f
             outs = [inspect(g(torch.full((4,), float(v)))) for v in inputs]
             results.append((outs, [inspect(t) for t in state]))
             fn = g
@@ -57,6 +57,14 @@ def test_a_read_that_keeps_its_value_replays_and_a_new_value_goes_on_from_the_re
     # traced: the first call and the one after each miss (the first 9, the first 1 after the nines)
     (rec,) = fn.recordings.values()
     assert rec.guards and rec.segments is not None and rec.replays >= 2
+
+
+def test_inductor_compiles_each_part_and_a_miss_goes_on_from_the_read(mesh1):
+    eager, compiled, fn = _both(mesh1, _threshold_step, [1, 1, 1, 9, 1], backend="inductor")
+    assert all(torch.equal(e, c) for e, c in zip(eager[0], compiled[0]))
+    assert all(torch.equal(a, b) for a, b in zip(eager[1], compiled[1]))
+    (rec,) = fn.recordings.values()
+    assert rec.mode == "inductor" and len(rec.segments) == 2
 
 
 def _train_both(mesh, module, make_opt, make_step, data) -> tuple[list, list, object]:
