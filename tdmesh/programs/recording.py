@@ -30,9 +30,9 @@ would give, from the first call on** (no warm-up steps).  So:
 A function whose calls run eagerly ``EAGER_AFTER`` times in a row for one reason (a read
 value that changes from call to call, other host reads every call, state that never settles,
 a recording stale at every call) runs eagerly for good, with one warning naming why and the
-way out.  What a replay cannot see: other
-Python values the function reads (a global float, a branch on Python state); ``verify=True``
-traces the first reuse again and raises if the messages differ.
+way out.  What a replay cannot see: other Python values the function reads (a global float, a
+branch on Python state); ``verify=True`` traces the first reuse of a recording without reads
+again and raises if the messages differ.
 """
 
 from __future__ import annotations
