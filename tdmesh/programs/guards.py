@@ -57,7 +57,8 @@ class Guard:
         self.template: tuple = ((), None)
         self.index = -1  # not a guard (yet)
         self.value: object = None
-        self.carried: list = []
+        self.carried: list[int] = []  # the refs of the tensors the trace held at the read
+        self.carried_aliases: list = []  # their AliasSets, while the trace runs
         self.capture_refs: list[int] = []  # tensors from before the call that the read reads
         self.message: tuple = ()  # the read as the trace sent it (ranks, SendValue, uses, defs)
 
@@ -132,7 +133,7 @@ def split(messages: list, guards: list[Guard], formals: list[int], first_ref: in
         inside = formals + [r for r in carried if r not in kept_set]  # kept state is read by its own name
         inside_set = set(inside)
         defined = {r for _, _, _, defs in msgs for r in defs if r >= first_ref} - inside_set - formal_set
-        after = [r for r, _ in guards[k].carried] if k < len(guards) else list(ends) + list(kept)
+        after = guards[k].carried if k < len(guards) else list(ends) + list(kept)
         out = [r for r in dict.fromkeys(after) if r in defined]
         uses = [r for _, _, used, _ in msgs for r in used]
         captures = [r for r in dict.fromkeys(uses) if r not in defined and r not in inside_set]
@@ -146,7 +147,7 @@ def split(messages: list, guards: list[Guard], formals: list[int], first_ref: in
         segments.append(Segment(msgs, inside, new, infos, tuple(r for r in out if r in kept_set), captures,
                                 list(dict.fromkeys(written))))
         if k < len(guards):
-            carried = [r for r, _ in guards[k].carried]
+            carried = guards[k].carried
         start = end
     return segments
 

@@ -45,8 +45,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..engine.context import active_mesh_or_none
-from ..engine.placement import check_inputs, check_no_grad
-from ..engine.stream import get_active_stream
+from ..engine.placement import check_no_grad
 from ..engine.tensor import Tensor, raise_in_op
 from ..errors import UsageError, call_site, user_line
 from .capture import recording_mode
@@ -168,9 +167,7 @@ class _Compiled:
     def _replay_guarded(self, rec: Recording, mesh, key, args, kwargs, inputs, captures):
         """A call of a recording with reads: replayed while every read gives the traced value;
         from a read that does not, the call goes on eagerly (``tdmesh.programs.resume``)."""
-        for t in inputs:
-            check_inputs((t,), t._mesh, "a compiled function", get_active_stream())
-        rec.replays += 1
+        rec.start_replay(inputs, captures)
         done, result = replay_guarded(rec, mesh, inputs, captures)
         if done:
             self.misses.pop("guard_misses", None)
@@ -188,18 +185,14 @@ class _Compiled:
         the call has run as eager ops (sent here) -- see the module docstring for the rules."""
         if recorder.host_read is None and recorder.guards:
             recorder.send_eagerly()  # the ops after the last read: the call runs as the eager ops it traced
-            if self.cuda_graph:
-                raise UsageError(f"tdmesh.compile(cuda_graph=True): {getattr(self.fn, '__name__', 'the function')} "
-                                 f"reads a value on the host ({recorder.guards[0].what} at {recorder.guards[0].site})"
-                                 f", which a CUDA graph cannot capture (this call ran eagerly); read it after the "
-                                 f"call, or use cuda_graph=None to run it as programs split at its reads"
-                                 f"\n  at {user_line()}")
+        if self.cuda_graph and (recorder.host_read is not None or recorder.guards):
+            read = recorder.host_read or f"{recorder.guards[0].what} at {recorder.guards[0].site}"
+            raise UsageError(f"tdmesh.compile(cuda_graph=True): {getattr(self.fn, '__name__', 'the function')} reads "
+                             f"a value on the host ({read}), which a CUDA graph cannot capture (this call ran "
+                             f"eagerly); read it after the call, or use cuda_graph=None (a read of a value then "
+                             f"splits the recording into programs, any other runs the rest of the call eagerly)"
+                             f"\n  at {user_line()}")
         if recorder.host_read is not None:  # sent already, from the read on
-            if self.cuda_graph:
-                raise UsageError(f"tdmesh.compile(cuda_graph=True): {getattr(self.fn, '__name__', 'the function')} "
-                                 f"reads a value on the host ({recorder.host_read}), which a CUDA graph cannot "
-                                 f"capture (this call ran eagerly); read it after the call, or use cuda_graph=None "
-                                 f"to let such calls run eagerly\n  at {user_line()}")
             self._eager_call(f"it reads a value on the host ({recorder.host_read})", "host_reads", READ_WAY_OUT)
             return None
         state = trace_state(recorder, out_flat)

@@ -57,8 +57,7 @@ class Recording:
         # stale (a replay would read a tensor the function would not read again)
         held = [(r, state.captures[r]) for r in self.capture_refs if state.captures.get(r) is not None]
         self.captures = [t for _, t in held]
-        self._capture_names = [r for r, _ in held]
-        self.capture_names = self._capture_names
+        self.capture_names = [r for r, _ in held]
         self._weak_captures = [weakref.ref(t) for t in self.captures]
         self.mutated_outside = [r for r in dict.fromkeys(mutated) if r not in self.defined]
         self.formal_index = {r: i for i, r in enumerate(self.formals)}
@@ -106,18 +105,18 @@ class Recording:
         for g in self.guards:
             for r in g.capture_refs:
                 t = state.captures.get(r)
-                if r not in formal_set and r not in self._capture_names and t is not None:
-                    self._capture_names.append(r)
+                if r not in formal_set and r not in self.capture_names and t is not None:
+                    self.capture_names.append(r)
                     self._weak_captures.append(weakref.ref(t))
                     self.capture_metas.append(t._meta)
-        alias_of = {r: a for g in self.guards for r, a in g.carried}
-        alias_of.update((o.ref, o._r.aliases) for o in out_flat if type(o) is Tensor and o.ref in self.defined)
-        captured = {r: state.captures[r]._r.aliases for r in self._capture_names if state.captures.get(r) is not None}
-        ends = [o.ref for o in out_flat if type(o) is Tensor and o.ref in self.defined]
-        segments = split(self.messages, self.guards, self.formals, recorder.first_ref, ends, self.kept_refs,
-                         recorder.metas, alias_of, [t._r.aliases for t in inputs], captured)
+        made = [o for o in out_flat if type(o) is Tensor and o.ref in self.defined]  # results the call made
+        alias_of = {r: a for g in self.guards for r, a in zip(g.carried, g.carried_aliases)}
+        alias_of.update((o.ref, o._r.aliases) for o in made)
+        captured = {r: state.captures[r]._r.aliases for r in self.capture_names if state.captures.get(r) is not None}
+        segments = split(self.messages, self.guards, self.formals, recorder.first_ref, [o.ref for o in made],
+                         self.kept_refs, recorder.metas, alias_of, [t._r.aliases for t in inputs], captured)
         for g in self.guards:
-            g.carried = [(r, None) for r, _ in g.carried]  # the AliasSets are not held past the trace
+            g.carried_aliases = []  # not held past the trace
         if isinstance(segments, str):
             self.unsplittable = segments
             return
@@ -143,7 +142,7 @@ class Recording:
         every tensor of its state is still held, and every optimizer it steps has the same
         settings (``lr`` ...)."""
         captures = [w() for w in self._weak_captures]
-        for t, meta, ref in zip(captures, self.capture_metas, self._capture_names):
+        for t, meta, ref in zip(captures, self.capture_metas, self.capture_names):
             if t is None:
                 return None, f"tensor {ref}, which it reads, is no longer held by the program"
             if t._meta is not meta and t._meta != meta:
@@ -201,14 +200,20 @@ class Recording:
             written.extend(owner._r.aliases.refs if owner is not None else [r])
         return written
 
-    def replay(self, mesh, inputs: Sequence[Tensor], captures: list):
-        """One call: its outputs (a guarded recording's replay is ``guards.replay_guarded``)."""
+    def start_replay(self, inputs: Sequence[Tensor], captures: list):
+        """A replay begins: its inputs and captures may be used on the active stream (dropped or
+        borrowed since the trace?); returns that stream."""
         self.replays += 1
         stream = get_active_stream()
-        for t in inputs:  # dropped or borrowed since the trace? (inputs may come from several meshes)
+        for t in inputs:  # inputs may come from several meshes
             check_inputs((t,), t._mesh, "a compiled function", stream)
         if captures:
             check_inputs(captures, captures[0].mesh, "a compiled function (a captured tensor)", stream)
+        return stream
+
+    def replay(self, mesh, inputs: Sequence[Tensor], captures: list):
+        """One call: its outputs (a guarded recording's replay is ``guards.replay_guarded``)."""
+        stream = self.start_replay(inputs, captures)
         if self.dense_results is None:  # a sparse result: the general path
             return self._replay_general(mesh, inputs, captures)
         proxies = issue_call(mesh, self.id, inputs, self.dense_results, self.capture_refs,

@@ -124,7 +124,7 @@ class Resumer:
         their_names, my_names = self.names
         traced = {i: r for r, i in their_names.items()}
         actual = {f: t._r.id for f, t in zip(rec.formals, self.inputs)}
-        carried = {r for r, _ in guard.carried}
+        carried = set(guard.carried)
         bind: list[tuple[int, int]] = []  # (ref of the re-run, trace ref it stands for)
         for r, i in my_names.items():
             t = traced[i]

@@ -51,7 +51,7 @@ class Recorder:
         self.devices: set[str] = set()  # the device types of the tensors it made
         self.first_ref = client.next_ref  # refs from here on are made by the trace
         client.delete_holder = self
-        self.seen: dict[int, Any] = {}  # every tensor an op read while tracing, by ref
+        self.seen: dict[int, Any] = {}  # the tensors from before the call that an op read (captures), by ref
         self.held_deletes: list[tuple[int, object]] | None = []  # frees of trace-made refs, in order
         self.host_read: str | None = None  # what made the call eager: "<op> at <user line>"
         self.finished = False  # the function returned: every free waits until the outcome is sent
@@ -117,14 +117,17 @@ class Recorder:
         ``guard``: then the ops kept so far are sent (kept too, for the recording) and the read
         goes out; the trace goes on."""
         ranks, msg, uses, defs = read
-        if type(msg) is not m.SendValue or not guard.bind_trace(self.seen, self.metas):
+        if type(msg) is not m.SendValue:
             return False
-        guard.message = (tuple(ranks), msg, list(uses), list(defs))
         live = live_after(self.created)
         if any(not isinstance(self.metas[r.id][0], TensorMeta) for r in live):
             return False  # a sparse tensor crosses the read: its per-call proxy has no fixed shape
+        if not guard.bind_trace(self.seen, self.metas):
+            return False
+        guard.message = (tuple(ranks), msg, list(uses), list(defs))
         guard.index = len(self.entries)
-        guard.carried = [(r.id, r.aliases) for r in live]
+        guard.carried = [r.id for r in live]
+        guard.carried_aliases = [r.aliases for r in live]
         self.send_sofar()
         return True
 
