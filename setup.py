@@ -13,8 +13,9 @@ setup(
     install_requires=["torch>=2.11", "numpy", "cloudpickle"],
     # expecttest: torch.testing._internal (the OpInfo database of the conformance test) imports it;
     # transformers: real models (tiny configs, random weights) that tests train eagerly and compiled;
-    # pytest-xdist: the suite runs its files on 2 processes (pytest.ini), most of a fleet test is waiting
-    extras_require={"test": ["pytest", "pytest-xdist", "hypothesis", "expecttest", "transformers", "ruff==0.17.6",
+    # pytest-xdist: the suite runs its files on 2 processes (pytest.ini), most of a fleet test is waiting;
+    # 3.8 brought --no-loadscope-reorder, which keeps the longest files first (tests/conftest.py)
+    extras_require={"test": ["pytest", "pytest-xdist>=3.8", "hypothesis", "expecttest", "transformers", "ruff==0.17.6",
                              "mypy==2.4.1"]},
     entry_points={"console_scripts": ["tdmesh-worker=tdmesh.worker.__main__:main"]},
 )

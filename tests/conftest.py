@@ -10,12 +10,16 @@ from hypothesis._settings import is_in_ci as hypothesis_in_ci
 import tdmesh
 from tdmesh.config import cpu_forced, env_str
 
-# The files whose tests take minutes (hypothesis-drawn training programs, torch's OpInfo
-# database, inductor compiles from an empty cache): collected first, so that pytest-xdist's
-# two processes (pytest.ini: --dist loadfile hands out whole files in collection order) start
-# them first and the many short files fill in beside them, instead of one long file last.
-LONG_FILES = ("test_compile_differential.py", "test_opinfo.py", "test_programs.py", "test_tutorials.py",
-              "test_checkpoint.py")
+# The files that take the longest, longest first (a fresh-clone run of 2026-12-03 on this 2-core VM:
+# 190-380 s for the differential test, 200 s for supervision, down to ~40 s). pytest-xdist hands whole
+# files out in collection order (pytest.ini: --dist loadfile --no-loadscope-reorder; xdist's own
+# order is by test count, which put the 1-test differential file and the 1-test-heavy OpInfo file
+# last, where one process ran them alone for minutes), so these start first and the many short files
+# fill in beside them: the longest-first rule keeps the two processes' ends within a short file.
+LONG_FILES = ("test_compile_differential.py", "test_supervision.py", "test_tutorials.py", "test_checkpoint.py",
+              "test_debugging.py", "test_torchrun.py", "test_pool.py", "test_docs.py", "test_security_fleet.py",
+              "test_attach.py", "test_opinfo.py", "test_fuzz_fleet.py", "test_launch.py", "test_dashboard.py",
+              "test_relays.py", "test_engine.py", "test_programs.py")
 
 
 def pytest_runtest_setup(item):
@@ -30,7 +34,11 @@ def pytest_runtest_setup(item):
 def pytest_collection_modifyitems(config, items):
     """Each test's tier is its folder (``-m unit``, ``-m fleet``, ``-m gpu`` select one);
     GPU tests are skipped without CUDA; the long files come first (``LONG_FILES``)."""
-    items.sort(key=lambda item: os.path.basename(str(item.path)) not in LONG_FILES)  # stable: else in order
+    def order(item) -> int:
+        name = os.path.basename(str(item.path))
+        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=order)  # stable: the other files in collection order
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         tier = os.path.basename(os.path.dirname(str(item.path)))
