@@ -13,6 +13,7 @@ a crashed test and replaces."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -70,6 +71,31 @@ def stacks_of_workers() -> str:
         except OSError:
             parts.append(f"--- worker process {pid}: no stacks written ---")
     return "\n".join(parts)
+
+
+def stacks_of_a_hung_client(proc) -> str:
+    """What a client subprocess that did not end in time was doing: its workers' stacks
+    (SIGUSR1, as above), then its own -- it was started with ``PYTHONFAULTHANDLER=1`` (see
+    ``CLIENT_ENV``), so SIGABRT makes faulthandler write every thread's stack to its stderr
+    before it dies.  Its stderr is read without waiting for EOF: its workers hold the pipe."""
+    workers = stacks_of_workers()
+    proc.send_signal(signal.SIGABRT)
+    try:
+        proc.wait(timeout=10)
+    except Exception:  # noqa: BLE001 - still there: kill it, the stacks may still be in the pipe
+        proc.kill()
+    time.sleep(0.5)
+    err = b""
+    with contextlib.suppress(OSError, ValueError):
+        fd = proc.stderr.fileno()
+        os.set_blocking(fd, False)
+        while chunk := os.read(fd, 1 << 16):
+            err += chunk
+    return f"--- the client (pid {proc.pid}) ---\n{err.decode(errors='replace')[-12000:]}\n{workers}"
+
+
+# A client subprocess's environment additions for stacks_of_a_hung_client.
+CLIENT_ENV = {"PYTHONFAULTHANDLER": "1"}
 
 
 def limit_of(item: pytest.Item) -> float:

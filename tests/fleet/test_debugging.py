@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from _watchdog import CLIENT_ENV, stacks_of_a_hung_client
 
 import tdmesh
 from tdmesh import RemoteException, inspect, remote
@@ -22,7 +23,7 @@ SESSION = "p x\nn\np y\nc\n"  # per rank: x is rank*10+7, a step, y is 2x, conti
 
 
 def env(**extra):
-    return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TDMESH_PEER_EXIT_DELAY="2.5", **extra)
+    return dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TDMESH_PEER_EXIT_DELAY="2.5", **CLIENT_ENV, **extra)
 
 
 def run_script(command, typed: str):
@@ -85,7 +86,11 @@ def test_a_rank_in_pdb_is_not_a_stuck_op():
             time.sleep(3)
             proc.stdin.write(b"c\n")
             proc.stdin.flush()
-        out, err = proc.communicate(timeout=120)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the client did not end within 120 s of the last `c`; it printed {seen.decode()[-2000:]!r}\n"
+                        f"{stacks_of_a_hung_client(proc)}", pytrace=False)
     finally:
         proc.kill()
     assert proc.returncode == 0, err.decode()[-3000:]

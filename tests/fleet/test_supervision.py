@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from _watchdog import CLIENT_ENV, stacks_of_a_hung_client
 
 import tdmesh
 from tdmesh import DeviceException, fetch_shard, inspect, remote
@@ -285,7 +286,7 @@ def start_client(mode: str) -> tuple[subprocess.Popen, list[int]]:
     """crash_client.py in its own session (like a job in a shell); returns it and its workers."""
     proc = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "crash_client.py"), mode],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1", **CLIENT_ENV))
     line = proc.stdout.readline()
     if not line.startswith("pids "):
         proc.kill()
@@ -293,6 +294,15 @@ def start_client(mode: str) -> tuple[subprocess.Popen, list[int]]:
     pids = [int(p) for p in line.split()[1:]]
     _watch(pids)
     return proc, pids
+
+
+def wait_or_fail(proc: subprocess.Popen, seconds: float, after: str) -> int:
+    """The client's exit code, or a failure with its stacks and its workers' where it hangs."""
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the client did not end within {seconds:g} s of {after}:\n{stacks_of_a_hung_client(proc)}",
+                    pytrace=False)
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -323,7 +333,7 @@ def test_client_killed_while_its_workers_start_leaves_no_orphans():
 
 def test_keyboard_interrupt_in_the_block_shuts_down():
     proc, pids = start_client("interrupt")
-    code = proc.wait(timeout=60)
+    code = wait_or_fail(proc, 60, "the KeyboardInterrupt")
     assert code != 0
     assert_no_worker_left(pids, within=10, zombie_is_gone=True)
     stderr = finish(proc)
@@ -334,7 +344,7 @@ def test_ctrl_c_to_the_whole_job_shuts_down():
     proc, pids = start_client("wait")
     assert proc.stdout.readline().strip() == "waiting for Ctrl-C"
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the client and its workers get it
-    code = proc.wait(timeout=60)
+    code = wait_or_fail(proc, 60, "Ctrl-C")
     assert code != 0
     assert_no_worker_left(pids, within=10, zombie_is_gone=True)
     finish(proc)
