@@ -306,3 +306,45 @@ def test_a_big_upload_is_taken_at_its_call_and_sent_once_to_each_child(mesh2x2):
     assert 2 * local.nbytes * children <= uploaded < 2 * local.nbytes * children + (64 << 10)
     for (_, a), (_, b) in zip(tdmesh.fetch_all(shipped).result(), tdmesh.fetch_all(param).result(), strict=True):
         assert torch.equal(a, want) and torch.equal(b, want + 1)
+
+
+def _cached_plan_keys(_):
+    """This worker's keys in DCP's plan cache (class-level, per process) that tdmesh made."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+    return torch.tensor(len([k for k in SavePlanner._cached_final_save_plan if k.startswith("tdmesh/")]))
+
+
+def test_saves_that_reuse_dcps_cached_plan_each_load_their_own_values(mesh2x2, tmp_path):
+    """Repeated saves skip the plan exchange (DCP's plan cache, keyed per checkpoint group): a
+    second save of the same structure, a save of the same structure on another mesh (another
+    group) and a save whose structure changed must each load back as they were saved."""
+    def state_of(mesh, base: float, extra: bool = False) -> dict:
+        with mesh.activate():
+            out = {"w": torch.ones(4) * mesh.process_idx() + base, "r": torch.arange(3.0) + base}
+            if extra:
+                out["extra"] = torch.full((2,), base)
+        return out
+
+    first = state_of(mesh2x2, 0.0)
+    ckpt.save(first, checkpoint_id=tmp_path / "s1")
+    with mesh2x2.activate(), torch.no_grad():
+        first["w"].add_(10)
+        first["r"].add_(10)
+    ckpt.save(first, checkpoint_id=tmp_path / "s2")  # the same plan: the cached one
+    keys = tdmesh.remote(_cached_plan_keys, propagate=lambda _: torch.empty((), dtype=torch.int64))
+    with mesh2x2.activate():
+        assert [int(v) for _, v in tdmesh.fetch_all(keys(0)).result()] == [1] * 4  # the cache is in use
+    half = mesh2x2.slice(host=1)
+    ckpt.save(state_of(half, 100.0), checkpoint_id=tmp_path / "s3")  # same structure, another group
+    ckpt.save(state_of(mesh2x2, 200.0, extra=True), checkpoint_id=tmp_path / "s4")  # a changed plan
+
+    def loaded(mesh, name: str, extra: bool = False) -> dict:
+        target = state_of(mesh, -1.0, extra)
+        ckpt.load(target, checkpoint_id=tmp_path / name)
+        return {k: [v.tolist() for _, v in tdmesh.fetch_all(t).result()] for k, t in target.items()}
+
+    assert loaded(mesh2x2, "s1") == {"w": [[float(i)] * 4 for i in range(4)], "r": [[0.0, 1.0, 2.0]] * 4}
+    assert loaded(mesh2x2, "s2") == {"w": [[10.0 + i] * 4 for i in range(4)], "r": [[10.0, 11.0, 12.0]] * 4}
+    assert loaded(half, "s3") == {"w": [[102.0] * 4, [103.0] * 4], "r": [[100.0, 101.0, 102.0]] * 2}  # ranks 2, 3
+    assert loaded(mesh2x2, "s4", extra=True) == {"w": [[200.0 + i] * 4 for i in range(4)],
+                                                 "r": [[200.0, 201.0, 202.0]] * 4, "extra": [[200.0] * 2] * 4}
