@@ -17,6 +17,7 @@ import contextlib
 import faulthandler
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -82,7 +83,7 @@ def stacks_of_a_hung_client(proc) -> str:
     proc.send_signal(signal.SIGABRT)
     try:
         proc.wait(timeout=10)
-    except Exception:  # noqa: BLE001 - still there: kill it, the stacks may still be in the pipe
+    except subprocess.TimeoutExpired:  # still there: kill it, the stacks may still be in the pipe
         proc.kill()
     time.sleep(0.5)
     err = b""

@@ -13,7 +13,7 @@ from tdmesh.config import cpu_forced, env_str
 # The files that take the longest, longest first (a fresh-clone run of 2026-12-03 on this 2-core VM:
 # 190-380 s for the differential test, 200 s for supervision, down to ~40 s). pytest-xdist hands whole
 # files out in collection order (pytest.ini: --dist loadfile --no-loadscope-reorder; xdist's own
-# order is by test count, which put the 1-test differential file and the 1-test-heavy OpInfo file
+# order is by test count, which put the one-test differential and OpInfo files
 # last, where one process ran them alone for minutes), so these start first and the many short files
 # fill in beside them: the longest-first rule keeps the two processes' ends within a short file.
 LONG_FILES = ("test_compile_differential.py", "test_supervision.py", "test_tutorials.py", "test_checkpoint.py",

@@ -12,10 +12,13 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.utils._pytree import tree_flatten_with_path
@@ -348,3 +351,32 @@ def test_saves_that_reuse_dcps_cached_plan_each_load_their_own_values(mesh2x2, t
     assert loaded(half, "s3") == {"w": [[102.0] * 4, [103.0] * 4], "r": [[100.0, 101.0, 102.0]] * 2}  # ranks 2, 3
     assert loaded(mesh2x2, "s4", extra=True) == {"w": [[200.0 + i] * 4 for i in range(4)],
                                                  "r": [[200.0, 201.0, 202.0]] * 4, "extra": [[200.0] * 2] * 4}
+
+
+_SAVES = st.lists(st.tuples(st.sets(st.sampled_from(("a", "b")), min_size=1),  # the keys saved
+                            st.sampled_from(("a", "b", "ab", "")),  # which of them differ per rank
+                            st.booleans(),  # on the whole mesh, or on host 1 only (another group)
+                            st.integers(0, 50)), min_size=2, max_size=4)
+
+
+@settings(max_examples=6, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(saves=_SAVES)
+def test_drawn_sequences_of_saves_each_load_back_what_was_saved(mesh2x2, saves):
+    """Hypothesis draws a sequence of saves (structures that repeat, change, per rank or not, on the
+    mesh or a sub-mesh: DCP's plan cache hits and misses in orders nobody chose); each checkpoint,
+    loaded afterwards into zeros, holds exactly what its save was given."""
+    root = tempfile.mkdtemp(prefix="tdmesh-drawn-saves-")
+    saved = []
+    for n, (keys, per_rank, whole, base) in enumerate(saves):
+        mesh = mesh2x2 if whole else mesh2x2.slice(host=1)
+        with mesh.activate():
+            state = {k: (torch.ones(3) * mesh.process_idx() if k in per_rank else torch.arange(3.0)) + base
+                     for k in sorted(keys)}
+        ckpt.save(state, checkpoint_id=os.path.join(root, str(n)))
+        saved.append((mesh, sorted(keys), _everywhere(mesh, state)))
+    for n, (mesh, keys, want) in enumerate(saved):
+        with mesh.activate():
+            target = {k: torch.zeros(3) for k in keys}
+        ckpt.load(target, checkpoint_id=os.path.join(root, str(n)))
+        got = _everywhere(mesh, target)
+        assert all(torch.equal(a, b) for k in keys for a, b in zip(got[k], want[k])), (n, saves)
