@@ -62,20 +62,25 @@ def _short(value) -> str:
     return text if len(text) <= 200 else text[:200] + " ..."
 
 
-def read_on_host(mesh, function, args, kwargs, what: str):
-    """``function(*args, **kwargs)`` on every rank of ``mesh``: its value where all agree.
-    Inside a compiled function's trace the sink is told of the read (``note_read``), and of its
-    value (``read_done``: None with ``ok=False`` when it failed), so that it can be a guard."""
+def read_on_host(mesh, function, args, kwargs, what: str, *, uses: tuple = (), agree=None, guard: bool = True):
+    """``function(*args, **kwargs)`` on every rank of ``mesh``: its value where all agree
+    (``agree(per_rank)`` decides where given, else :func:`agreed`).  Inside a compiled
+    function's trace the sink is told of the read (``note_read``), and of its value
+    (``read_done``: None with ``ok=False`` when it failed), so that it can be a guard (not with
+    ``guard=False``: then the trace runs eagerly from the read)."""
     check_not_coalescing(f"{what} (it needs a value from the workers)")
+    if agree is None:
+        def agree(per_rank):
+            return agreed(per_rank, what, mesh)
     sink = mesh.client.sink
-    note = getattr(sink, "note_read", None)
+    note = getattr(sink, "note_read", None) if guard else None
     if note is None:
-        return agreed(send_value(mesh, function, args, kwargs, None).result(), what, mesh)
-    note(mesh, function, args, kwargs, what)
+        return agree(send_value(mesh, function, args, kwargs, None, uses=uses).result())
+    note(mesh, function, args, kwargs, what, agree)
     ok = False
     value = None
     try:
-        value = agreed(send_value(mesh, function, args, kwargs, None).result(), what, mesh)
+        value = agree(send_value(mesh, function, args, kwargs, None, uses=uses).result())
         ok = True
     finally:
         sink.read_done(value, ok)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..errors import user_line
 from ..protocol import messages as m
 from .coalescing import check_not_coalescing
-from .fetch import send_value
+from .host_reads import read_on_host
 from .issue import adopt, issue_unshaped
 from .propagation import SparseMeta, from_description, op_aliasing, schema_arg
 from .stream import get_active_stream
@@ -45,25 +45,32 @@ def dispatch_unshaped(func, args, kwargs, remote, mesh, device, why: str):
         return m.CallFunction(seq, results, mutated_refs, path, to_wire(args), to_wire(kwargs) if kwargs else {},
                               stream.id)
 
+    sink = mesh.client.sink  # a compiled function's trace learns of the proxies below (a guard's)
     refs = issue_unshaped(mesh, build, [w is None for w in written], inputs=remote, mutated=mutated, stream=stream)
     new_refs = [r for r in refs if r is not None]
     asked = new_refs + [t._r.id for t in mutated]
+
+    def agree(per_rank):
+        shapes = list(per_rank)  # (point, descriptions) per rank
+        first = shapes[0][1]
+        if any(v != first for _, v in shapes):
+            listed = "\n".join(f"  {point}: {[list(d[0]) for d in v]}" for point, v in shapes)
+            raise ValueError(f"{func}: {why}, and the ranks of {mesh.shape} disagree on its output shapes:\n"
+                             f"{listed}\none proxy cannot stand for different shapes; run it inside a remote "
+                             f"function, or use a fixed-size form (nonzero_static(size=...), "
+                             f"repeat_interleave(output_size=...), masked_fill instead of boolean indexing)"
+                             f"\n  at {user_line()}")
+        return first
+
+    # inside a compiled function the read is a guard (its value: the output shapes); not where the op
+    # writes an argument's shape, which a replay's proxies could not follow
     try:
-        described = send_value(mesh, "tdmesh.worker.builtins.describe", ([m.Ref(r) for r in asked],), {}, None,
-                               uses=tuple(asked)).result()
+        first = read_on_host(mesh, "tdmesh.worker.builtins.describe", ([m.Ref(r) for r in asked],), {},
+                             f"the output shapes of {func} ({why})", uses=tuple(asked), agree=agree,
+                             guard=not mutated)
     except BaseException:
         mesh.client.delete_refs(new_refs, mesh)
         raise
-    shapes = list(described)  # (point, descriptions) per rank
-    first = shapes[0][1]
-    if any(v != first for _, v in shapes):
-        mesh.client.delete_refs(new_refs, mesh)
-        per_rank = "\n".join(f"  {point}: {[list(d[0]) for d in v]}" for point, v in shapes)
-        raise ValueError(f"{func}: {why}, and the ranks of {mesh.shape} disagree on its output shapes:\n"
-                         f"{per_rank}\none proxy cannot stand for different shapes; run it inside a remote "
-                         f"function, or use a fixed-size form (nonzero_static(size=...), "
-                         f"repeat_interleave(output_size=...), masked_fill instead of boolean indexing)"
-                         f"\n  at {user_line()}")
     metas = [from_description(d) for d in first]
     for t, meta in zip(mutated, metas[len(new_refs):]):
         if t._meta != meta:
@@ -72,7 +79,11 @@ def dispatch_unshaped(func, args, kwargs, remote, mesh, device, why: str):
                                           f"sparse proxies follow such a change; use its out-of-place form"
                                           f"\n  at {user_line()}")
             t._meta = meta
-    new = iter(adopt(mesh, new_refs, metas[:len(new_refs)], device, stream))
+    made = adopt(mesh, new_refs, metas[:len(new_refs)], device, stream)
+    adopted = getattr(sink, "adopted", None)
+    if adopted is not None:
+        adopted(made)
+    new = iter(made)
     proxies = [w if w is not None else next(new) for w in written]
     return proxies[0] if len(proxies) == 1 else tuple(proxies)
 
@@ -103,11 +114,18 @@ def data_dependent(e: Exception) -> bool:
 def host_values(t: Tensor, op: str):
     """The values of a remote tensor as Python numbers, for an argument torch reads on the
     host (``tensor_split`` by a tensor of indices): fetched from every rank of its mesh,
-    which must agree (the number of outputs depends on them).  One blocking round trip."""
-    check_not_coalescing(f"{op} (it reads a tensor argument's values on the host)")
-    per_rank = list(send_value(t._mesh, "tdmesh.worker.builtins.values_of", (t,), {}, None).result())
-    if any(v != per_rank[0][1] for _, v in per_rank):
-        listed = "\n".join(f"  {point}: {v}" for point, v in per_rank)
-        raise ValueError(f"{op} reads the values of {describe(t)} on the host, and the ranks of {t._mesh.shape} "
-                         f"disagree on them:\n{listed}\nrun it inside a remote function\n  at {user_line()}")
-    return per_rank[0][1]
+    which must agree (the number of outputs depends on them).  One blocking round trip; a
+    guard inside a compiled function, as ``.tolist()`` is (``agree`` outlives the call with the
+    guard, so it holds the tensor's description, not the tensor)."""
+    named, mesh = describe(t), t._mesh
+
+    def agree(per_rank):
+        values = list(per_rank)
+        if any(v != values[0][1] for _, v in values):
+            listed = "\n".join(f"  {point}: {v}" for point, v in values)
+            raise ValueError(f"{op} reads the values of {named} on the host, and the ranks of {mesh.shape} "
+                             f"disagree on them:\n{listed}\nrun it inside a remote function\n  at {user_line()}")
+        return values[0][1]
+
+    return read_on_host(mesh, "tdmesh.worker.builtins.values_of", (t,), {},
+                        f"{op} (it reads the values of {named} on the host)", agree=agree)

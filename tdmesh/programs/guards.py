@@ -25,7 +25,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..engine.fetch import send_value
-from ..engine.host_reads import agreed, same_value
+from ..engine.host_reads import same_value
 from ..engine.tensor import AliasSet, Tensor, new_proxy
 from ..errors import call_site, user_line
 from ..protocol import messages as m
@@ -42,15 +42,22 @@ class _Slot(NamedTuple):
     ref: int
 
 
+class _RefSlot(NamedTuple):
+    """A ref argument of a guard's read (``m.Ref``): the outputs of an op whose shapes the read
+    learns (``tdmesh.engine.unshaped``), which have no proxy until it returns."""
+    ref: int
+
+
 class Guard:
     """One read of a value inside a traced call: what it reads (a template of its arguments),
     the value every rank read, where the recording splits (``index``: the ops before it) and
     the tensors the trace held at that point (``carried``: (ref, AliasSet) while tracing)."""
 
-    def __init__(self, mesh, function, args, kwargs, what: str, first_ref: int) -> None:
+    def __init__(self, mesh, function, args, kwargs, what: str, first_ref: int, agree) -> None:
         self.mesh = mesh
         self.function = function
         self.what = what
+        self.agree = agree  # per-rank answers -> the value, or the eager read's error where ranks disagree
         self.site = user_line()
         self.first_ref = first_ref
         self._args: tuple | None = (args, kwargs)
@@ -65,7 +72,7 @@ class Guard:
     def bind_trace(self, seen: dict, metas: dict) -> bool:
         """Name the read's tensors by ref (those from before the call join ``seen``, as
         captures); False where an argument is a tensor the guard cannot name again."""
-        flat, spec = tree_flatten(self._args)
+        flat, spec = tree_flatten(self._args, is_leaf=lambda x: type(x) is m.Ref)  # a Ref is a NamedTuple
         out: list = []
         for x in flat:
             if type(x) is Tensor:
@@ -78,18 +85,27 @@ class Guard:
                 out.append(_Slot(ref))
             elif isinstance(x, torch.Tensor):
                 return False  # a local tensor: its bytes would be part of the guard
+            elif type(x) is m.Ref:
+                if x.id < self.first_ref:
+                    return False  # a tensor from before the call, written by the op: not followed per call
+                out.append(_RefSlot(x.id))
             else:
                 out.append(x)
         self.template = (out, spec)
         self._args = None
         return True
 
-    def bind(self, env: dict) -> tuple:
+    def bind(self, env: dict) -> tuple[tuple, tuple[int, ...]]:
+        """The read's arguments for one replay (its tensors from ``env``, by trace ref), and
+        the refs it reads that no proxy argument names (``send_value``'s ``uses``)."""
         flat, spec = self.template
-        return tree_unflatten([env[x.ref] if type(x) is _Slot else x for x in flat], spec)
+        uses = tuple(env[x.ref]._r.id for x in flat if type(x) is _RefSlot)
+        values = [env[x.ref] if type(x) is _Slot else m.Ref(env[x.ref]._r.id) if type(x) is _RefSlot else x
+                  for x in flat]
+        return tree_unflatten(values, spec), uses
 
     def refs(self) -> list[int]:
-        return [x.ref for x in self.template[0] if type(x) is _Slot]
+        return [x.ref for x in self.template[0] if type(x) in (_Slot, _RefSlot)]
 
 
 class Segment:
@@ -191,10 +207,13 @@ def replay_guarded(rec, mesh, inputs, captures):
             _call(mesh, seg, env, groups)
         if k < len(guards):
             g = guards[k]
-            args, kwargs = g.bind(env)
-            per_rank = send_value(g.mesh, g.function, args, kwargs, None).result()
+            (args, kwargs), uses = g.bind(env)
+            per_rank = send_value(g.mesh, g.function, args, kwargs, None, uses=uses).result()
             values.append(per_rank)
-            value = agreed(per_rank, f"{g.what} (at {g.site}, inside a compiled function)", g.mesh)
+            try:
+                value = g.agree(per_rank)
+            except ValueError as e:  # ranks that disagree: the eager read's error, named at the trace's read
+                raise ValueError(f"inside a compiled function, the read at {g.site}: {e}") from None
             if not same_value(value, g.value):
                 return False, Miss(k, value, values, env)
     results = iter(rec.results)

@@ -15,13 +15,14 @@ would give, from the first call on** (no warm-up steps).  So:
    under ``zero_grad(set_to_none=True)``) settles when two traces in a row send the same
    messages and the first one's state is gone: the recording then rewrites that state in
    place (the same refs) at every call.
-3. A **host read** of a value (``.item()``, ``bool()``, ``.tolist()``, ``torch.equal``) is a
+3. A **host read** of a value (``.item()``, ``bool()``, ``.tolist()``, ``torch.equal``, the
+   output shapes of an op that only the data decides: ``x[mask]``, ``nonzero``) is a
    guard (``tdmesh.programs.guards``): the traced call runs as the eager ops it traced (the
    read sees the workers' value), and its recording is split at the read; a replay reads the
    value between the parts and goes on while it is the traced one.  A different value goes
    on from the read by running the function again (``tdmesh.programs.resume``) and the next
-   call traces again.  Any other host read (a fetch, a shape only the data decides) sends
-   what was traced and runs the rest of the call eagerly.
+   call traces again.  Any other host read (a fetch, an op that changes an argument's shape
+   in place) sends what was traced and runs the rest of the call eagerly.
 4. A replay runs only while it would do what the function does now: every tensor it reads
    (captures) and keeps is still held by the program, with the metadata it was traced with,
    and every ``torch.optim`` optimizer it steps has the same settings (``lr``...).
@@ -63,8 +64,15 @@ __all__ = ["compile"]
 EAGER_AFTER = 4
 READ_WAY_OUT = ("fetch after the call, or for torch.optim pass fused=True (or capturable=True on CUDA), which read "
                 "nothing on the host")
+SHAPE_WAY_OUT = ("use a fixed-size form (masked_fill or torch.where instead of x[mask], nonzero_static(size=...)), "
+                 "or run the op in a remote function, whose shapes the client does not need")
 STALE_WAY_OUT = ("keep what it reads the same tensors with the same settings (for a learning-rate scheduler, a "
                  "tensor lr=torch.tensor(...), which the scheduler updates in place)")
+
+
+def way_out(guard) -> str:
+    """How to compile a function whose read ``guard`` changes value from call to call."""
+    return SHAPE_WAY_OUT if guard.function == "tdmesh.worker.builtins.describe" else READ_WAY_OUT
 
 
 class _Compiled:
@@ -86,6 +94,7 @@ class _Compiled:
         self.misses: dict[str, int] = {}  # calls that ran eagerly, by why, since the last recording
         #                                  ("guard_misses": since the last replay that passed its reads)
         self.missed: dict = {}  # key -> why its last guarded replay missed (cleared by the trace after it)
+        self.missed_way_out: dict = {}  # key -> the way out for that read
         self.eager_because: str | None = None  # set once the function runs eagerly for good
         self.stale_run = 0  # recordings in a row that went stale before their first replay
         functools.update_wrapper(self, fn)
@@ -177,7 +186,8 @@ class _Compiled:
         outputs = resume(self.fn, args, kwargs, rec, result, inputs)
         self.missed[key] = f"a value it reads on the host changes ({guard.what} at {guard.site}: {guard.value!r} " \
                            f"when traced, {result.value!r} at a later call)"
-        self._eager_call(self.missed[key], "guard_misses", READ_WAY_OUT, depth=5)
+        self.missed_way_out[key] = way_out(guard)
+        self._eager_call(self.missed[key], "guard_misses", way_out(guard), depth=5)
         return outputs
 
     def _settle(self, recorder: Recorder, key, inputs, out_flat, out_spec) -> Recording | None:
@@ -193,7 +203,8 @@ class _Compiled:
                              f"splits the recording into programs, any other runs the rest of the call eagerly)"
                              f"\n  at {user_line()}")
         if recorder.host_read is not None:  # sent already, from the read on
-            self._eager_call(f"it reads a value on the host ({recorder.host_read})", "host_reads", READ_WAY_OUT)
+            self._eager_call(f"it reads a value on the host ({recorder.host_read})", "host_reads",
+                             recorder.way_out or READ_WAY_OUT)
             return None
         state = trace_state(recorder, out_flat)
         if state.why_eager is None:
@@ -212,7 +223,7 @@ class _Compiled:
                     g, before = changed[0]
                     state.why_eager = (f"a value it reads on the host changes ({g.what} at {g.site}: {before} at one "
                                        f"call, {g.value!r} at the next)")
-                    state.way_out = READ_WAY_OUT
+                    state.way_out = way_out(g)
                 self.settling[key] = (sig, [weakref.ref(r) for r in state.kept], settings)
         if state.why_eager is not None:
             recorder.send_eagerly()
@@ -227,7 +238,7 @@ class _Compiled:
         if rec.guards:
             missed = self.missed.pop(key, None)
             if missed is not None:  # traced again after a miss: a value that changes every call gets here too
-                self._eager_call(missed, "guard_misses", READ_WAY_OUT)
+                self._eager_call(missed, "guard_misses", self.missed_way_out.pop(key, READ_WAY_OUT))
                 if self.eager_because is not None:
                     return None
             return rec

@@ -64,6 +64,12 @@ class Resumer:
     def read_done(self, value, ok: bool) -> None:
         pass
 
+    def adopted(self, proxies: list) -> None:
+        """Proxies of an op whose shapes a read learned: the re-run's own tensors (bound at the
+        read that missed if the trace held them there)."""
+        if not self.resumed:
+            self.created.extend(weakref.ref(t._r) for t in proxies)
+
     def hold_delete(self, ref: int, mesh) -> bool:
         """Until the read, the re-run's own tensors name nothing on the workers: their frees are
         dropped; older ones wait (one may be the state a re-run tensor is bound to)."""

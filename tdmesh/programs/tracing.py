@@ -3,14 +3,15 @@
 While a compiled function is traced, every op it issues is kept here instead of being sent.
 What the call then becomes is decided from what it left behind (``Trace``):
 
-- **a host read** of a value (``.item()``, ``bool()``, ``.tolist()``, ``torch.equal``) sends
+- **a host read** of a value (``.item()``, ``bool()``, ``.tolist()``, ``torch.equal``, the
+  output shapes of an op that only the data decides: ``nonzero``, ``x[mask]``, ``unique``) sends
   the ops kept so far and reads the value as eager torch would; the trace goes on, and the
   read becomes a **guard** of the recording (``tdmesh.programs.guards``): the value it read,
   and the tensors the call held at that point (the live ones a later part may use).  The ops
   traced after the last read are sent when the call returns: a call with reads runs as the
   eager ops it traced, and the recording serves the calls after it;
-- **another host read** (a fetch, a wait, a shape only the data decides) sends everything
-  kept so far, in order, and the rest of the call runs eagerly;
+- **another host read** (a fetch, a wait, an op that writes an argument's shape in place)
+  sends everything kept so far, in order, and the rest of the call runs eagerly;
 - **state**: tensors the call made that outlive it without being returned (``.grad``, an
   optimizer's ``state``, a lazily built module, anything the function stored) are sent as
   the eager ops they were, so they exist on the workers as the program sees them; later
@@ -60,11 +61,12 @@ class Recorder:
         self.guards: list[Guard] = []  # the reads of values the call made, in order
         self.reading: Guard | None = None  # the read in flight (noted by read_on_host)
         self.metas: dict[int, tuple] = {}  # per ref the trace made: (meta, device, mesh, stream)
+        self.way_out: str | None = None  # for the warning, where the host read's own way out is not the usual
 
-    def note_read(self, mesh, function, args, kwargs, what: str) -> None:
+    def note_read(self, mesh, function, args, kwargs, what: str, agree) -> None:
         """``read_on_host`` is about to read a value: it may become a guard (``submit`` decides)."""
         if self.host_read is None and self.client.sink is self and self.reading is None:
-            self.reading = Guard(mesh, function, args, kwargs, what, self.first_ref)
+            self.reading = Guard(mesh, function, args, kwargs, what, self.first_ref, agree)
 
     def read_done(self, value, ok: bool) -> None:
         """The read's value, which every rank agreed on: the guard's expected value.  A read that
@@ -78,6 +80,26 @@ class Recorder:
         elif self.host_read is None:
             self.host_read = f"{guard.what}, which failed, at {guard.site}"
             self.send_eagerly()
+
+    def adopted(self, proxies: list) -> None:
+        """The proxies of an op's outputs whose shapes the last read learned (a shape only the
+        data decides: ``tdmesh.engine.unshaped``): made by the trace, and held across that read
+        (the guard's value is their metadata).  A sparse one has no fixed shape per call: the
+        call runs eagerly from here on."""
+        if self.host_read is not None or not self.guards:
+            return
+        guard = self.guards[-1]
+        if any(not isinstance(t._meta, TensorMeta) for t in proxies):
+            self.host_read = f"{guard.what} at {guard.site}: a sparse result, whose shape a replay cannot fix"
+            self.way_out = "run the sparse ops in a remote function (tdmesh.remote)"
+            self.send_eagerly()
+            return
+        for t in proxies:
+            self.created.append(weakref.ref(t._r))
+            self.devices.add(t.device.type)
+            self.metas[t._r.id] = (t._meta, t.device, t._mesh, t._stream)
+            guard.carried.append(t._r.id)
+            guard.carried_aliases.append(t._r.aliases)
 
     def submit(self, ranks, msg, seq=None, uses=(), defs=(), future=None, inputs=(), deletes_first=False,
                outputs=(), site=None) -> None:

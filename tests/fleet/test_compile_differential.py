@@ -1,6 +1,6 @@
 """Eager against compiled, from the first call: hypothesis draws small training programs
 (modules, optimizer and its flags, ``zero_grad`` placement and ``set_to_none``, gradient
-accumulation, state made lazily inside the step, host reads) and runs each twice on a 1x2
+accumulation, state made lazily inside the step, host reads, shapes the data decides) and runs each twice on a 1x2
 CPU mesh, eagerly and under ``tdmesh.compile`` from its first call.  After every step the
 losses, parameters, gradients, buffers and optimizer state of both ranks must be identical.
 
@@ -25,7 +25,7 @@ SEED = env_int("TDMESH_DIFFERENTIAL_SEED")
 STEPS = 5  # state that is made anew every call settles at the third: steps 4 and 5 replay
 # a read whose value changes at every call (a non-fused Adam's step counters) makes the function
 # eager for good at the sixth call (a miss, a new trace, ... four in a row); a data-dependent
-# branch takes either side in the steps drawn
+# branch takes either side in the steps drawn, and a mask keeps all rows or fewer
 CHANGING_STEPS = 7
 WIDTH = 4
 
@@ -51,7 +51,7 @@ def programs(draw) -> dict:
         "zero_grad": draw(st.sampled_from(["start", "end"])),
         "accumulate": draw(st.integers(1, 2)),
         "lazy_state": draw(st.booleans()),
-        "host_read": draw(st.sampled_from([None, None, "item", "bool", "tolist", "branch"])),
+        "host_read": draw(st.sampled_from([None, None, "item", "bool", "tolist", "branch", "select"])),
         "seed": draw(st.integers(0, 2**16)),
     }
 
@@ -95,7 +95,11 @@ def _trainer(prog: dict, mesh, initial: dict):
             opt.zero_grad(set_to_none=prog["set_to_none"])
         total = None
         for i in range(prog["accumulate"]):
-            loss = torch.nn.functional.mse_loss(model(x[i]), y[i])
+            out, target = model(x[i]), y[i]
+            if prog["host_read"] == "select":  # rows a mask keeps: a shape the data decides, before backward
+                keep = y[i].reduce("gpu", "avg")[:, 0] > -2.0  # the ranks agree on it; all rows, mostly
+                out, target = out[keep], target[keep]
+            loss = torch.nn.functional.mse_loss(out, target)
             if prog["host_read"] == "branch" and bool(x[i].float().mean().reduce("gpu", "avg") > middle):
                 loss = loss * 2  # a branch the data decides, with the forward's graph held across the read
             loss.backward()
@@ -187,7 +191,7 @@ def test_compiled_training_equals_eager_from_the_first_step(mesh1x2, prog):
     replays = sum(r.replays for r in fn.recordings.values())
     if _changing(prog):  # a value that changes at every call: eager for good, with the warning
         assert fn.eager_because is not None and "changes" in fn.eager_because, (fn.eager_because, prog)
-    elif prog["host_read"] != "branch":  # steps after the state settled were replays, past their reads
+    elif prog["host_read"] not in ("branch", "select"):  # steps after the state settled replayed, past their reads
         assert replays >= 2 and fn.eager_because is None, (replays, fn.misses, prog)
 
 
@@ -199,4 +203,4 @@ def _changing(prog: dict) -> bool:
 
 
 def _steps(prog: dict) -> int:
-    return CHANGING_STEPS if _changing(prog) or prog["host_read"] == "branch" else STEPS
+    return CHANGING_STEPS if _changing(prog) or prog["host_read"] in ("branch", "select") else STEPS
