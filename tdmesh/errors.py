@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Sequence
 from types import FrameType
 
@@ -176,6 +177,17 @@ def site_text(site) -> str:
         return "<unknown>"
     filename, lineno, name = _entries(site[:1])[0]
     return f'File "{filename}", line {lineno}, in {name}'
+
+
+def warn_at_user_line(message: str) -> None:
+    """``warnings.warn(message)`` attributed to the user's innermost frame (the first that is
+    neither tdmesh's nor torch's), however deep in tdmesh it is raised."""
+    frame = sys._getframe(1)
+    level = 2  # stacklevel 1 is this function; 2 its caller
+    while frame.f_back is not None and _skip(frame.f_code):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, stacklevel=level)
 
 
 def user_line() -> str:

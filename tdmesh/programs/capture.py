@@ -12,9 +12,7 @@ rank the same mode, so NCCL collectives always pair up.
 
 from __future__ import annotations
 
-import warnings
-
-from ..errors import UsageError, user_line
+from ..errors import UsageError, user_line, warn_at_user_line
 from ..protocol import messages as m
 
 _GRAPHABLE = (m.CallOp, m.CallFunction, m.Reduce, m.ReduceMany, m.DeleteRefs)
@@ -78,6 +76,5 @@ def recording_mode(backend: str, cuda_graph: bool | None, mesh, rec, inputs, com
                          f"{blocker}\n  at {user_line()}")
     if not compiled.warned:
         compiled.warned = True
-        warnings.warn(f"tdmesh.compile: {compiled.__name__} runs as a program, not a CUDA graph: {blocker}",
-                      stacklevel=3)
+        warn_at_user_line(f"tdmesh.compile: {compiled.__name__} runs as a program, not a CUDA graph: {blocker}")
     return backend

@@ -39,7 +39,6 @@ again and raises if the messages differ.
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 
 import torch
@@ -48,7 +47,7 @@ from torch.utils._pytree import tree_flatten
 from ..engine.context import active_mesh_or_none
 from ..engine.placement import check_no_grad
 from ..engine.tensor import Tensor, raise_in_op
-from ..errors import UsageError, call_site, user_line
+from ..errors import UsageError, call_site, user_line, warn_at_user_line
 from .capture import recording_mode
 from .guards import replay_guarded
 from .optim import watch_optimizers
@@ -124,7 +123,7 @@ class _Compiled:
         if stale is not None:  # a tensor it reads or keeps is gone or reshaped, or settings changed
             self.stale_run = self.stale_run + 1 if rec.replays == 0 else 1
             if self.stale_run >= EAGER_AFTER:
-                self._eager_for_good(f"its recording went stale ({stale})", STALE_WAY_OUT, depth=3)
+                self._eager_for_good(f"its recording went stale ({stale})", STALE_WAY_OUT)
                 return self.fn(*args, **kwargs)
         if captures is None:
             return self._trace_call(client, mesh, key, args, kwargs, inputs)
@@ -187,7 +186,7 @@ class _Compiled:
         self.missed[key] = f"a value it reads on the host changes ({guard.what} at {guard.site}: {guard.value!r} " \
                            f"when traced, {result.value!r} at a later call)"
         self.missed_way_out[key] = way_out(guard)
-        self._eager_call(self.missed[key], "guard_misses", way_out(guard), depth=5)
+        self._eager_call(self.missed[key], "guard_misses", way_out(guard))
         return outputs
 
     def _settle(self, recorder: Recorder, key, inputs, out_flat, out_spec) -> Recording | None:
@@ -250,20 +249,20 @@ class _Compiled:
                 r.dropped_at = site
         return rec
 
-    def _eager_call(self, why: str, kind: str, way_out: str, depth: int = 6) -> None:
+    def _eager_call(self, why: str, kind: str, way_out: str) -> None:
         """This call ran eagerly; after ``EAGER_AFTER`` such calls the function runs eagerly
         for good."""
         self.misses[kind] = self.misses.get(kind, 0) + 1
         if self.misses[kind] >= EAGER_AFTER:
-            self._eager_for_good(why, way_out, depth=depth)
+            self._eager_for_good(why, way_out)
 
-    def _eager_for_good(self, why: str, way_out: str, depth: int) -> None:
-        """Run eagerly from now on, with one warning (at the user's call: ``depth`` frames up)
+    def _eager_for_good(self, why: str, way_out: str) -> None:
+        """Run eagerly from now on, with one warning (at the user's line)
         naming why and the way out."""
         self.eager_because = why
         name = getattr(self.fn, "__name__", "the function")
-        warnings.warn(f"tdmesh.compile: {name} runs eagerly from now on: {why}, on each of {EAGER_AFTER} "
-                      f"calls in a row; {way_out}", stacklevel=depth)
+        warn_at_user_line(f"tdmesh.compile: {name} runs eagerly from now on: {why}, on each of {EAGER_AFTER} "
+                          f"calls in a row; {way_out}")
 
     @property
     def recording_id(self) -> int | None:
