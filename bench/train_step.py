@@ -144,11 +144,11 @@ def main(argv=None) -> None:
         # CUDA that program captured as a CUDA graph; the first two calls (trace, definition,
         # warm-up and capture) are timed apart from the steps
         cuda = mesh.device_type == "cuda"
-        graphs = cuda and not args.clip  # a step that reads a value on the host runs its parts as programs
-        variants = [("tdmesh compiled", "program", False)] + ([("  + CUDA graph", "program", True)] if graphs else [])
+        # a step that reads a value on the host (--clip) is a graph per part that can be one: cuda_graph=None
+        graph_label, graph = ("  + CUDA graphs", None) if args.clip else ("  + CUDA graph", True)
+        variants = [("tdmesh compiled", "program", False)] + ([(graph_label, "program", graph)] if cuda else [])
         if args.inductor:
-            variants += [("tdmesh inductor", "inductor", False)] + (
-                [("  + CUDA graph", "inductor", True)] if graphs else [])
+            variants += [("tdmesh inductor", "inductor", False)] + ([(graph_label, "inductor", graph)] if cuda else [])
         compiled: list = []
         for label, backend, graph in variants:
             # compiled from step 0, as a torch.compile user writes it: the first call makes the

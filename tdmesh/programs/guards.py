@@ -144,11 +144,14 @@ def split(messages: list, guards: list[Guard], formals: list[int], first_ref: in
     carried: list[int] = []  # into the next segment
     start = 0
     formal_set = set(formals)
+    made: set[int] = set()  # the refs earlier segments defined
     for k, end in enumerate([g.index for g in guards] + [len(messages)]):
         msgs = messages[start:end]
         inside = formals + [r for r in carried if r not in kept_set]  # kept state is read by its own name
         inside_set = set(inside)
-        defined = {r for _, _, _, defs in msgs for r in defs if r >= first_ref} - inside_set - formal_set
+        # what this segment makes: not what an earlier one made and this one writes in place (state it then
+        # reads and writes by name, as a recording does its captures)
+        defined = {r for _, _, _, defs in msgs for r in defs if r >= first_ref} - inside_set - formal_set - made
         after = guards[k].carried if k < len(guards) else list(ends) + list(kept)
         out = [r for r in dict.fromkeys(after) if r in defined]
         uses = [r for _, _, used, _ in msgs for r in used]
@@ -162,6 +165,7 @@ def split(messages: list, guards: list[Guard], formals: list[int], first_ref: in
         infos = {r: metas[r] + (keys[r],) for r in new}
         segments.append(Segment(msgs, inside, new, infos, tuple(r for r in out if r in kept_set), captures,
                                 list(dict.fromkeys(written))))
+        made |= defined
         if k < len(guards):
             carried = guards[k].carried
         start = end

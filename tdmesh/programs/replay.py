@@ -94,6 +94,7 @@ class Recording:
             and out_spec.num_children == 0
         self.guards = recorder.guards
         self.segments: list | None = None
+        self.segment_modes: list[str] | None = None  # per segment, on CUDA (tdmesh.programs.capture)
         self.unsplittable: str | None = None  # why a trace with reads is no recording
         if self.guards:
             self._split(recorder, inputs, out_flat, state)
@@ -166,10 +167,11 @@ class Recording:
         if self.segments is None:
             _define(client, self.id, self.messages, self.ranks, self.formals, self.results, mode)
             return
-        for seg in self.segments:  # a guarded recording: one recording per segment that has ops
+        modes = self.segment_modes or [mode] * len(self.segments)
+        for seg, seg_mode in zip(self.segments, modes):  # a guarded recording: a recording per segment with ops
             if seg.messages:
                 seg.id = next(_recording_ids)
-                _define(client, seg.id, seg.messages, seg.ranks, seg.formals, seg.new + list(seg.kept), mode)
+                _define(client, seg.id, seg.messages, seg.ranks, seg.formals, seg.new + list(seg.kept), seg_mode)
 
     def call(self, mesh, inputs: list, traced: Recording | None = None) -> None:
         """Run the recording for a call that was just traced: its results are the traced refs."""

@@ -174,3 +174,40 @@ def test_nccl_reduce_inside_a_cuda_graph_on_two_gpus():
         graphed, modes = _train(mesh, 12, True)
     assert list(modes.values())[-1] == "cuda_graph"
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=0)
+
+
+def _clipped_losses(mesh, compiled: bool) -> tuple[list[float], dict, list[str]]:
+    """A step that clips with ``error_if_nonfinite=True`` (a read of the norm's finiteness after
+    backward), compiled from its first call or not: its losses, the workers' recording modes and
+    the warnings said."""
+    with mesh.activate(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tdmesh.random.set_manual_seed_remote(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        xs = [torch.randn(16, 32) for _ in range(12)]
+
+        def step(x):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), x[:, :10].argmax(1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, error_if_nonfinite=True)
+            opt.step()
+            return loss.detach()
+
+        run = tdmesh.compile(step) if compiled else step
+        losses = [float(fetch_shard(run(x)).result()) for x in xs]
+        modes = tdmesh.call_on_shard_and_fetch(recording_modes).result()
+    return losses, modes, [str(w.message) for w in caught if "tdmesh.compile" in str(w.message)]
+
+
+def test_a_step_with_a_read_captures_each_part_that_can_be_a_graph(gpu_mesh):
+    """The part before the read (forward, backward, the norm) is a CUDA graph; the part after it
+    steps the optimizer on the gradients the first part makes, new tensors every call, which a
+    graph would read where they were at its capture: a program, and one warning says so."""
+    eager, _, _ = _clipped_losses(gpu_mesh, False)
+    compiled, modes, said = _clipped_losses(gpu_mesh, True)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
+    parts = list(modes.values())[-2:]
+    assert parts[0] == "cuda_graph" and parts[1].startswith("program"), modes
+    assert len(said) == 1 and "reads state an earlier part makes" in said[0], said
