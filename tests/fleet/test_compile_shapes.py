@@ -169,3 +169,24 @@ def test_an_op_that_makes_a_sparse_tensor_runs_the_rest_of_the_call_eagerly(mesh
     assert outs == [[[6.0 * i + 1, 1.0], [1.0, 6.0 * i + 1]] for i in range(6)]
     text = [str(w.message) for w in said if "runs eagerly" in str(w.message)]
     assert len(text) == 1 and "sparse result" in text[0] and "remote function" in text[0], text
+
+
+def test_a_miss_at_a_later_shape_binds_the_outputs_of_an_earlier_one(mesh1):
+    """The first selection keeps the same elements at every call (a guard that holds); the second's
+    length changes: the call goes on from the second read, and the re-run's first selection (its
+    proxy made from the read's value, the op matched, not sent) is bound to the replay's."""
+    def make():
+        def step(x):
+            kept = x[x > 0]            # always five: its guard holds
+            scale = kept.max()
+            picked = kept[kept > 6]    # its length changes with x
+            return kept * scale, picked + scale, picked.sum()
+
+        return step, []
+
+    eager, _, fn = _calls(mesh1, make, [1, 1, 1, 2, 2, 2, 2, 3, 3, 3])
+    assert {tuple(e[0].shape) for e in eager} == {(5,)}  # arange(6) * v: five elements above 0
+    assert {tuple(e[1].shape) for e in eager} == {(0,), (2,), (3,)}
+    assert fn.eager_because is None
+    (rec,) = fn.recordings.values()
+    assert len(rec.guards) == 2 and rec.replays >= 1
