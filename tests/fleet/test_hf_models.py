@@ -3,7 +3,9 @@ configs, random weights) trained on a CPU mesh eagerly and under ``tdmesh.compil
 first step, against the same code run locally with torch: every loss identical, bit for bit,
 and so are the parameters after the last step (``bench/compile_models.py`` holds the rows;
 the local reference runs on one thread, as the workers do: two thread counts may sum a matmul
-in different orders)."""
+in different orders).  On a GPU host ``mesh1`` is a CUDA worker: the reference then runs on the
+local GPU and the rows must agree within 1e-5 relative (issue 26's bound for one H200), since
+CUDA kernels do not promise one summation order from run to run."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return {row: local_reference(*row, STEPS, "cpu") for row in ROWS}
+def reference(mesh1):
+    return {row: local_reference(*row, STEPS, mesh1.device_type) for row in ROWS}
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -26,8 +28,13 @@ def reference():
 def test_hf_model_trains_on_a_mesh_as_it_trains_locally(mesh1, reference, kind, optimizer, compiled):
     state, want_losses, want_params = reference[kind, optimizer]
     losses, params, fn = on_mesh(mesh1, kind, optimizer, state, STEPS, compiled)
-    assert losses == want_losses
-    assert all(torch.equal(a, b) for a, b in zip(params, want_params))
+    if mesh1.device_type == "cpu":
+        assert losses == want_losses
+        assert all(torch.equal(a, b) for a, b in zip(params, want_params))
+    else:
+        torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=0)
+        for a, b in zip(params, want_params):
+            torch.testing.assert_close(a, b.cpu(), rtol=1e-5, atol=1e-7)
     if not compiled:
         return
     if optimizer == "adamw_foreach":  # reads its step counters on the host: eager, with one warning
