@@ -19,7 +19,10 @@ from .stream import get_active_stream
 from .tensor import Tensor, describe
 from .wire import op_path, to_wire
 
-__all__ = ["dispatch_unshaped", "data_dependent", "no_kernel", "host_values"]
+__all__ = ["dispatch_unshaped", "data_dependent", "no_kernel", "host_values", "SHAPES_READ"]
+
+# the read of an op's output shapes (a guard inside a compiled function: ``Guard.reads_shapes``)
+SHAPES_READ = "tdmesh.worker.builtins.describe"
 
 
 def dispatch_unshaped(func, args, kwargs, remote, mesh, device, why: str):
@@ -65,7 +68,7 @@ def dispatch_unshaped(func, args, kwargs, remote, mesh, device, why: str):
     # inside a compiled function the read is a guard (its value: the output shapes); not where the op
     # writes an argument's shape, which a replay's proxies could not follow
     try:
-        first = read_on_host(mesh, "tdmesh.worker.builtins.describe", ([m.Ref(r) for r in asked],), {},
+        first = read_on_host(mesh, SHAPES_READ, ([m.Ref(r) for r in asked],), {},
                              f"the output shapes of {func} ({why})", uses=tuple(asked), agree=agree,
                              guard=not mutated)
     except BaseException:

@@ -27,10 +27,7 @@ MIN_GRAPH_OPS = 10
 
 def graph_blocker(rec, inputs) -> str | None:
     """Why recording ``rec`` (a ``recording._Recording``) cannot be a CUDA graph, or None;
-    ``inputs``: the traced call's tensors."""
-    if rec.guards:
-        g = rec.guards[0]
-        return f"it reads a value on the host ({g.what} at {g.site}): its parts run as programs between the reads"
+    ``inputs``: the traced call's tensors (one with reads: ``segment_modes``)."""
     blocker = _messages_blocker(rec.messages) or _device_blocker(rec, inputs)
     if blocker is not None:
         return blocker
@@ -77,7 +74,7 @@ def segment_modes(backend: str, rec, inputs) -> tuple[list[str], str | None]:
     modes: list[str] = []
     why = None
     for k, seg in enumerate(rec.segments):
-        ends_at_shape = k < len(rec.guards) and rec.guards[k].function == "tdmesh.worker.builtins.describe"
+        ends_at_shape = k < len(rec.guards) and rec.guards[k].reads_shapes
         blocker = device or _messages_blocker(seg.messages) or _segment_blocker(seg, keys, kept, ends_at_shape)
         if blocker is None and sum(type(msg) is not m.DeleteRefs for _, msg, _, _ in seg.messages) >= MIN_GRAPH_OPS:
             modes.append(graph)
@@ -120,7 +117,7 @@ def recording_mode(backend: str, cuda_graph: bool | None, mesh, rec, inputs, com
             raise UsageError(f"tdmesh.compile(cuda_graph=True) needs a CUDA mesh; this one is on "
                              f"{mesh.device_type}\n  at {user_line()}")
         return backend
-    if rec.segments is not None and not cuda_graph:  # a recording with reads: a graph for each part that can be
+    if rec.segments is not None:  # a recording with reads (never cuda_graph=True): a graph per part that can be
         rec.segment_modes, why = segment_modes(backend, rec, inputs)
         if why is not None and not compiled.warned:
             compiled.warned = True

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..engine.fetch import send_value
 from ..engine.host_reads import same_value
 from ..engine.tensor import AliasSet, Tensor, new_proxy
+from ..engine.unshaped import SHAPES_READ
 from ..errors import call_site, user_line
 from ..protocol import messages as m
 
@@ -103,6 +104,11 @@ class Guard:
         values = [env[x.ref] if type(x) is _Slot else m.Ref(env[x.ref]._r.id) if type(x) is _RefSlot else x
                   for x in flat]
         return tree_unflatten(values, spec), uses
+
+    @property
+    def reads_shapes(self) -> bool:
+        """Whether it reads an op's output shapes (a shape only the data decides), not a value."""
+        return self.function == SHAPES_READ
 
     def refs(self) -> list[int]:
         return [x.ref for x in self.template[0] if type(x) in (_Slot, _RefSlot)]

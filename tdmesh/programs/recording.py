@@ -71,7 +71,7 @@ STALE_WAY_OUT = ("keep what it reads the same tensors with the same settings (fo
 
 def way_out(guard) -> str:
     """How to compile a function whose read ``guard`` changes value from call to call."""
-    return SHAPE_WAY_OUT if guard.function == "tdmesh.worker.builtins.describe" else READ_WAY_OUT
+    return SHAPE_WAY_OUT if guard.reads_shapes else READ_WAY_OUT
 
 
 class _Compiled:
@@ -92,8 +92,7 @@ class _Compiled:
         #                           trace that made state
         self.misses: dict[str, int] = {}  # calls that ran eagerly, by why, since the last recording
         #                                  ("guard_misses": since the last replay that passed its reads)
-        self.missed: dict = {}  # key -> why its last guarded replay missed (cleared by the trace after it)
-        self.missed_way_out: dict = {}  # key -> the way out for that read
+        self.missed: dict = {}  # key -> (why its last guarded replay missed, the way out); the trace after clears it
         self.eager_because: str | None = None  # set once the function runs eagerly for good
         self.stale_run = 0  # recordings in a row that went stale before their first replay
         functools.update_wrapper(self, fn)
@@ -183,10 +182,10 @@ class _Compiled:
         guard = rec.guards[result.k]
         del self.recordings[key]  # the next call traces again
         outputs = resume(self.fn, args, kwargs, rec, result, inputs)
-        self.missed[key] = f"a value it reads on the host changes ({guard.what} at {guard.site}: {guard.value!r} " \
-                           f"when traced, {result.value!r} at a later call)"
-        self.missed_way_out[key] = way_out(guard)
-        self._eager_call(self.missed[key], "guard_misses", way_out(guard))
+        self.missed[key] = (f"a value it reads on the host changes ({guard.what} at {guard.site}: {guard.value!r} "
+                            f"when traced, {result.value!r} at a later call)", way_out(guard))
+        why, out = self.missed[key]
+        self._eager_call(why, "guard_misses", out)
         return outputs
 
     def _settle(self, recorder: Recorder, key, inputs, out_flat, out_spec) -> Recording | None:
@@ -237,7 +236,7 @@ class _Compiled:
         if rec.guards:
             missed = self.missed.pop(key, None)
             if missed is not None:  # traced again after a miss: a value that changes every call gets here too
-                self._eager_call(missed, "guard_misses", self.missed_way_out.pop(key, READ_WAY_OUT))
+                self._eager_call(missed[0], "guard_misses", missed[1])
                 if self.eager_because is not None:
                     return None
             return rec
