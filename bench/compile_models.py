@@ -101,6 +101,11 @@ def on_mesh(mesh, kind: str, optimizer: str, state: dict, steps: int, compiled: 
     return got, params, fn
 
 
+def _worker_modes(mesh) -> dict:
+    with mesh.activate():
+        return tdmesh.call_on_shard_and_fetch(tdmesh.remote("tdmesh.worker.builtins.recording_modes")).result()
+
+
 def _worst(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b))
 
@@ -119,13 +124,17 @@ def main(argv=None) -> None:
         for kind, optimizer in ROWS:
             state, want, _ = local_reference(kind, optimizer, args.steps, args.device)
             eager, _, _ = on_mesh(mesh, kind, optimizer, state, args.steps, False)
+            before = _worker_modes(mesh)
             got, _, fn = on_mesh(mesh, kind, optimizer, state, args.steps, True)
+            modes = [mode for key, mode in _worker_modes(mesh).items() if key not in before]
             if fn.eager_because is not None:
                 how = f"eager after {len(got)} calls, warned: {fn.eager_because[:60]}..."
             else:
                 replays = sum(r.replays for r in fn.recordings.values())
                 how = f"recording ({fn.mode}), {replays} replays of {args.steps} steps"
             print(f"  {kind:<7} {optimizer:<22} {_worst(eager, want):10.2e} {_worst(got, want):13.2e}  {how}")
+            for mode in modes:  # a worker's mode per recording: a program, a CUDA graph, or why not
+                print(f"  {'':<30} {'':>24}  on the worker: {mode}")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ class GraphedProgram:
                 try:
                     self._capture(inputs, env)
                 except Exception as e:  # noqa: BLE001 - any capture failure falls back (or fails the call)
-                    self.failed = f"{type(e).__name__}: {e}"
+                    self.failed = f"{type(e).__name__}: {e}{program.failed_step(e)}"
                     log.warning("recording %s runs as a program, not a CUDA graph: its capture failed: %s",
                                 program.recording, self.failed)
             if self.graph is None:

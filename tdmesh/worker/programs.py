@@ -34,6 +34,7 @@ from .ops import call_source, holds, on_device
 from .values import Poison
 
 _PLAIN = (m.CallOp, m.CallFunction, m.Reduce, m.ReduceMany)
+SHIPPED = "tdmesh.worker.builtins.shipped"  # dispatch.ship_local's function: a local tensor's bytes
 
 
 class Unsupported(Exception):
@@ -90,6 +91,7 @@ class Program:
         self.step_of_line: dict[int, int] = {}
         self.defined_before: list[list[tuple[int, str]]] = []  # per step: (ref, local) defined by earlier steps
         self.mutated: list[int] = []  # every ref the recording writes in place
+        self.step_functions: list[str] = []  # per step: its op or function, to name where a run failed
         defined: list[tuple[int, str]] = []
         graph: GraphBuilder | None = None  # (inductor) the graph of the aten steps since the last other step
         held: list[str] = []  # frees of refs a pending graph may still read: after its call
@@ -103,6 +105,7 @@ class Program:
 
         for index, c in enumerate(rec.commands):
             self.defined_before.append(list(defined))
+            self.step_functions.append("a delete" if type(c) is m.DeleteRefs else str(_failure_targets(c, interp)[2]))
             if inductor:
                 op = interp.ops.get(c[1]) if type(c) is m.CallOp else None
                 if op is not None and op.fn is not None and op.slots == len(c[4]) and graphable(op, len(c[2])):
@@ -244,6 +247,14 @@ class Program:
             slotted: list[int] = []
             args = on_device(_slotted(c.args, slotted), interp.device)
             kwargs = on_device(_slotted(c.kwargs, slotted), interp.device)
+            if c.function == SHIPPED and not slotted:  # the client's local tensor, the same bytes every call:
+                # made on the device once and copied there each call (fresh, as eager's; a CUDA graph
+                # cannot capture a host-to-device copy from pageable memory)
+                try:
+                    made = fn(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001 - replayed message by message, which reports it
+                    raise Unsupported(f"a local tensor could not be made on this worker: {e}") from None
+                return self._bind(c.results, f"{self._const(made)}.clone()")
             for r in c.mutates:
                 self._use(r)
             names = [self._use(r) for r in slotted]
@@ -306,6 +317,11 @@ class Program:
         _, _, names = self.interp.recordings.expand(call)
         mutated = tuple(dict.fromkeys(names.get(r, r) for r in self.mutated))
         self.interp.fail(env, call.seq, call.results, mutated, error, "a compiled function (inductor)")
+
+    def failed_step(self, error: BaseException) -> str:
+        """Which step of the recording raised ``error`` (its op or function), for a log line."""
+        step = self._where(error)[0]
+        return "" if step is None else f" (step {step} of the recording: {self.step_functions[step]})"
 
     def _where(self, error: BaseException) -> tuple[int | None, BaseException | None, dict]:
         """The step that raised ``error`` and the program's locals then (None: reading an input)."""

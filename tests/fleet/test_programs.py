@@ -177,3 +177,25 @@ def test_a_failed_write_to_a_captured_tensor_fails_its_later_reads_on_the_client
         update(x, torch.zeros(4, dtype=torch.int64))
         with pytest.raises(tdmesh.RemoteException, match="ZeroDivisionError"):
             fetch_shard(w * 1).result()
+
+
+def test_a_local_tensor_shipped_inside_is_a_fresh_copy_every_call(mesh1):
+    """A program makes a local tensor of the function (``torch.tensor(...)``) on the device once and
+    copies it each call (no host-to-device copy, which a CUDA graph cannot capture): a call that
+    writes the copy in place leaves the next call's copy as the bytes the client sent."""
+    with tdmesh.no_mesh.activate():
+        local = torch.tensor([1.0, 2.0])
+    with mesh1.activate():
+        @tdmesh.compile
+        def fn(x):
+            t = torch.tensor(local)
+            t.add_(x)  # written in place: the next call's copy must not see it
+            return torch.cat([t, torch.tensor([10.0])]), t
+
+        outs = [fn(torch.full((2,), float(i))) for i in range(5)]
+        got = [(fetch_shard(a).result(), fetch_shard(b).result()) for a, b in outs]
+        modes = tdmesh.call_on_shard_and_fetch(recording_modes).result()
+    assert list(modes.values())[-1] == "program"
+    for i, (a, b) in enumerate(got):
+        assert torch.equal(b, torch.tensor([1.0 + i, 2.0 + i]))
+        assert torch.equal(a, torch.tensor([1.0 + i, 2.0 + i, 10.0]))

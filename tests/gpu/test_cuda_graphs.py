@@ -131,6 +131,7 @@ def test_a_capture_that_fails_on_the_worker_falls_back_to_the_program_or_fails_t
         interp.handle(m.CallRecording(20 + i, 1, (5,), (100 + i,)))
     assert sent == [] and all(torch.equal(interp.env[100 + i].cpu(), torch.full((3,), 8.0)) for i in range(3))
     assert interp.recordings.modes()[1].startswith("program: capture failed")
+    assert "(step 1 of the recording: torch.cuda.synchronize)" in interp.recordings.modes()[1]  # where it failed
 
     interp, sent = _worker("cuda_graph_required")
     interp.env[5] = torch.full((3,), 2.0, device="cuda")
@@ -211,3 +212,25 @@ def test_a_step_with_a_read_captures_each_part_that_can_be_a_graph(gpu_mesh):
     parts = list(modes.values())[-2:]
     assert parts[0] == "cuda_graph" and parts[1].startswith("program"), modes
     assert len(said) == 1 and "reads state an earlier part makes" in said[0], said
+
+
+def test_local_tensors_made_inside_are_captured_and_fresh_every_call(gpu_mesh):
+    """``torch.tensor(...)`` of local data inside the function (Hugging Face models make a few a
+    step) is made on the GPU once and copied there each call: the capture has no host-to-device
+    copy from pageable memory (which failed it, so the step ran as a program)."""
+    with tdmesh.no_mesh.activate():
+        local = torch.tensor([1.0, 2.0])
+    with gpu_mesh.activate():
+        @tdmesh.compile(cuda_graph=True)
+        def fn(x):
+            t = torch.tensor(local)
+            t.add_(x)  # the next call's copy must not see this write
+            return torch.cat([t * 2, torch.empty(0), torch.tensor([10.0])]), t
+
+        outs = [fn(torch.full((2,), float(i))) for i in range(5)]
+        got = [(fetch_shard(a).result(), fetch_shard(b).result()) for a, b in outs]
+        modes = tdmesh.call_on_shard_and_fetch(recording_modes).result()
+    assert list(modes.values())[-1] == "cuda_graph", modes
+    for i, (a, b) in enumerate(got):
+        assert torch.equal(b, torch.tensor([1.0 + i, 2.0 + i]))
+        assert torch.equal(a, torch.tensor([2.0 + 2 * i, 4.0 + 2 * i, 10.0]))
