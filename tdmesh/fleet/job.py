@@ -24,6 +24,8 @@ from ..protocol.handshake import check_hello, hear, welcome
 from ..protocol.rendezvous import job_scope, publish_controller, reachable_host
 from ..protocol.security import job_token, server_tls
 from ..protocol.transport import DEFAULT_MAX_FRAME, Connection, hello_ranks
+from . import pool
+from .pool import quiet_elastic
 
 log = logging.getLogger("tdmesh")
 
@@ -310,7 +312,6 @@ class Fleet:
 
     def _park(self) -> None:
         """Hand the workers (detached: each waits for its next job) to the warm pool."""
-        from . import pool
         assert self.pool_key is not None
         pool.park(pool.Parked(self.pool_key, self.scope, self.processes, self.store, self.log_files,
                               time.monotonic()))
@@ -335,19 +336,15 @@ class Fleet:
 
     def _wait_for_processes(self, seconds: float) -> None:
         """Give workers ``seconds`` to exit on their own; then the launcher stops them."""
-        elastic = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-        level = elastic.level
-        if self.quiet:
-            elastic.setLevel(logging.CRITICAL)
-        try:
-            deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline:
-                result = self.processes.wait(timeout=0.1, period=0.02)
-                if result is not None:
-                    break
-        finally:
+        with quiet_elastic(self.quiet):
             try:
-                self.processes.close(timeout=30 if self.clean_exit else 5)
+                deadline = time.monotonic() + seconds
+                while time.monotonic() < deadline:
+                    result = self.processes.wait(timeout=0.1, period=0.02)
+                    if result is not None:
+                        break
             finally:
-                self.processes = None
-                elastic.setLevel(level)
+                try:
+                    self.processes.close(timeout=30 if self.clean_exit else 5)
+                finally:
+                    self.processes = None

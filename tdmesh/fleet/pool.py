@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import threading
 import time
 from typing import Any, NamedTuple
@@ -80,6 +81,20 @@ def clear() -> None:
         _stop(entry)
 
 
+@contextlib.contextmanager
+def quiet_elastic(quiet: bool = True):
+    """Without torch elastic's lines about the workers it stops ("Sending process N closing
+    signal SIGTERM"), where their stop is tdmesh's choice or follows from the user's error."""
+    elastic = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = elastic.level
+    if quiet:
+        elastic.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        elastic.setLevel(level)
+
+
 def _stop(entry: Parked) -> None:
     with contextlib.suppress(Exception):
         entry.store.set(entry.scope + NEXT_JOB, SHUTDOWN)
@@ -88,7 +103,8 @@ def _stop(entry: Parked) -> None:
         while time.monotonic() < deadline and entry.processes.wait(timeout=0.1, period=0.02) is None:
             pass
     finally:
-        entry.processes.close(timeout=5)
+        with quiet_elastic():  # a parked worker slow to leave (a GPU's teardown) is stopped, not crashed
+            entry.processes.close(timeout=5)
 
 
 def _reap() -> None:
