@@ -343,12 +343,14 @@ def overlapped_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = Tr
         plan.update(order=order, groups=groups, flats=flats, views=views,
                     bucket_of={id(p): k for k, group in enumerate(groups) for p in group})
 
-    def into_view(p, g) -> None:
-        view = plan["views"][id(p)]
-        if g is not view:
+    def into_views(pending: list) -> None:
+        """Each new gradient of a bucket into its view: one multi-tensor copy a bucket (one op
+        for the client to issue, not one a gradient), then the views become the ``.grad``s."""
+        if pending:
             with torch.no_grad():
-                view.copy_(g)
-            p.grad = view
+                torch._foreach_copy_([view for _, view, _ in pending], [g for _, _, g in pending])
+            for p, view, _ in pending:
+                p.grad = view
 
     def reduce_on_comms(k: int, lent: list) -> None:
         borrowed, borrow = comms.borrow(plan["flats"][k], mutable=True)
@@ -364,21 +366,25 @@ def overlapped_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = Tr
             make_plan(loss)
         lent: list = []
         arrived = [0] * len(plan["groups"])
+        pending: list[list] = [[] for _ in plan["groups"]]  # per bucket: (param, view, new gradient)
 
-        def arrive(p) -> None:
+        def arrive(p, g) -> None:
             k = plan["bucket_of"][id(p)]
+            view = plan["views"][id(p)]
+            if g is not None and g is not view:
+                pending[k].append((p, view, g))
             arrived[k] += 1
             if arrived[k] == len(plan["groups"][k]):
+                into_views(pending[k])
                 reduce_on_comms(k, lent)
         if how == "generator":
             for p, g in zip(plan["order"], tdmesh.grad_generator(loss, plan["order"])):
-                if g is not None:  # (None: not reached from the loss)
-                    into_view(p, g if p.grad is None else p.grad + g)
-                arrive(p)
+                if g is not None and p.grad is not None:  # (None: not reached from the loss)
+                    g = p.grad + g
+                arrive(p, g)
         else:
             def hook(p) -> None:  # torch's engine may complete a bucket's gradients in another order
-                into_view(p, p.grad)
-                arrive(p)
+                arrive(p, p.grad)
             handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
             try:
                 loss.backward()
@@ -387,6 +393,7 @@ def overlapped_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = Tr
                     h.remove()
             for k in range(len(plan["groups"])):  # a bucket with a parameter backward did not reach
                 if 0 < arrived[k] < len(plan["groups"][k]):
+                    into_views(pending[k])
                     reduce_on_comms(k, lent)
         for borrow in lent:
             borrow.drop()
