@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map, tree_unflatten
 
 from ..errors import UsageError, user_line
 from ..protocol import messages as m
+from ..protocol.arguments import SHIPPED_FUNCTION
 from ..protocol.codec import pack_tensor
 from .context import active_mesh_or_none
 from .host_reads import read_name, read_on_host
@@ -291,7 +292,7 @@ def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:
     stream = stream if stream is not None else get_active_stream()
 
     def build(seq, results, _mutated):
-        return m.CallFunction(seq, results, (), "tdmesh.worker.builtins.shipped", (pack_tensor(data), device), {},
+        return m.CallFunction(seq, results, (), SHIPPED_FUNCTION, (pack_tensor(data), device), {},
                               stream.id)
 
     out = issue(mesh, build, outputs=[New(meta)], device=device, stream=stream)[0]

@@ -24,6 +24,11 @@ class ProcessGroupArg(NamedTuple):
     dims: tuple
 
 
+# the worker function that makes a client's local tensor (its PackedTensor) a tensor on the worker's device:
+# dispatch.ship_local sends it, and a worker's program makes its result once (worker/programs.py)
+SHIPPED_FUNCTION = "tdmesh.worker.builtins.shipped"
+
+
 class PackedTensor(NamedTuple):  # a dense CPU tensor as raw bytes: pickles ~10x faster than a tensor
     dtype: str
     shape: tuple

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import ProtocolViolation
 from ..protocol import messages as m
+from ..protocol.arguments import SHIPPED_FUNCTION
 from . import collectives
 from .functions import resolve
 from .inductor import CompiledGraph, GraphBuilder, graphable
@@ -34,7 +35,6 @@ from .ops import call_source, holds, on_device
 from .values import Poison
 
 _PLAIN = (m.CallOp, m.CallFunction, m.Reduce, m.ReduceMany)
-SHIPPED = "tdmesh.worker.builtins.shipped"  # dispatch.ship_local's function: a local tensor's bytes
 
 
 class Unsupported(Exception):
@@ -91,7 +91,7 @@ class Program:
         self.step_of_line: dict[int, int] = {}
         self.defined_before: list[list[tuple[int, str]]] = []  # per step: (ref, local) defined by earlier steps
         self.mutated: list[int] = []  # every ref the recording writes in place
-        self.step_functions: list[str] = []  # per step: its op or function, to name where a run failed
+        self._commands = rec.commands  # to name the step where a run failed
         defined: list[tuple[int, str]] = []
         graph: GraphBuilder | None = None  # (inductor) the graph of the aten steps since the last other step
         held: list[str] = []  # frees of refs a pending graph may still read: after its call
@@ -105,7 +105,6 @@ class Program:
 
         for index, c in enumerate(rec.commands):
             self.defined_before.append(list(defined))
-            self.step_functions.append("a delete" if type(c) is m.DeleteRefs else str(_failure_targets(c, interp)[2]))
             if inductor:
                 op = interp.ops.get(c[1]) if type(c) is m.CallOp else None
                 if op is not None and op.fn is not None and op.slots == len(c[4]) and graphable(op, len(c[2])):
@@ -247,8 +246,8 @@ class Program:
             slotted: list[int] = []
             args = on_device(_slotted(c.args, slotted), interp.device)
             kwargs = on_device(_slotted(c.kwargs, slotted), interp.device)
-            if c.function == SHIPPED and not slotted:  # the client's local tensor, the same bytes every call:
-                # made on the device once and copied there each call (fresh, as eager's; a CUDA graph
+            if c.function == SHIPPED_FUNCTION and not slotted:  # a client's local tensor, the same bytes every
+                # call: made on the device once, copied there each call (fresh, as eager's; a CUDA graph
                 # cannot capture a host-to-device copy from pageable memory)
                 try:
                     made = fn(*args, **kwargs)
@@ -321,7 +320,8 @@ class Program:
     def failed_step(self, error: BaseException) -> str:
         """Which step of the recording raised ``error`` (its op or function), for a log line."""
         step = self._where(error)[0]
-        return "" if step is None else f" (step {step} of the recording: {self.step_functions[step]})"
+        name = None if step is None else _failure_targets(self._commands[step], self.interp)[2]
+        return "" if step is None else f" (step {step} of the recording: {name})"
 
     def _where(self, error: BaseException) -> tuple[int | None, BaseException | None, dict]:
         """The step that raised ``error`` and the program's locals then (None: reading an input)."""
