@@ -19,6 +19,26 @@ Every row times the loop ``x = ones + x`` (100x100 float32) as the client issues
                    answering at once): what capturing it costs
 
 The last two rows' difference from ``new wrapper`` is tdmesh's own work per op.
+
+A second table does the same for bench.train_step's eager step (``--size``, tiny by default;
+``--dtype``, ``--batch-size``): forward, ``zero_grad``, backward, one bucketed ``reduce_``, the
+optimizer (fused AdamW on CUDA, foreach SGD on CPU); every op of it has an op plan after the
+first step.  Per step, and per message the real step sends:
+
+  tdmesh           the step under ``mesh.activate()``, one worker: the client's time to issue
+                   the steps (their end is waited for outside the timer)
+  tdmesh, no site  the same without the call-site capture
+  plan proxies     the mode's handler finds the op's plan as tdmesh's hot path does (its
+                   arguments scanned, the (op, metadata) key looked up) and makes the plan's
+                   result proxies; nothing is issued, recorded or sent, and ``reduce_`` does
+                   nothing: torch's autograd, argument parsing and wrappers, plus the least
+                   Python a design with cached output metadata needs per op
+  given proxies    the handler is handed each op's plan in the step's order (no key, no
+                   lookup) and makes its proxies: torch's part of the step, with the proxies
+                   any design must return
+
+The step's target (issue 29) is a client cost per op; ``given proxies`` is the part of it no
+change to tdmesh's own work can remove.
 """
 
 from __future__ import annotations
@@ -26,6 +46,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,6 +88,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--iters", type=int, default=20000)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="training steps a run of the step table (0: no step table)")
+    p.add_argument("--size", default="tiny", help="the GPT of the step table (tutorials/nanogpt.py's sizes)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: the step under autocast")
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ["TDMESH_DEVICE"] = "cpu"
@@ -117,12 +142,154 @@ def main(argv=None) -> int:
         finally:
             issue_module.call_site = client_module.call_site = captured  # type: ignore[assignment]
         tdmesh.fetch_shard(adds()).result()
+        steps = _step_rows(mesh, args.size, args.batch_size, args.dtype == "bf16", args.steps,
+                                                 args.repeats) if args.steps else None
     print(f"dispatch floor: x = ones + x, {n} ops a run, best of {args.repeats}; torch {torch.__version__}; "
           f"{h.machine_line()}")
     floor = rows[1][1]
     h.print_table(["loop", "us per op", "over new wrapper"],
                   [[name, f"{s / n * 1e6:.2f}", f"{(s - floor) / n * 1e6:+.2f} us"] for name, s in rows])
+    if steps is not None:
+        rows, messages = steps
+        print(f"\n{args.size} GPT training step ({args.dtype}, batch {args.batch_size}), {args.steps} steps a run, "
+              f"best of {args.repeats}; {messages} messages a step")
+        floor = rows[-1][1]
+        h.print_table(["step", "ms per step", "us per message", "over given proxies"],
+                      [[name, f"{s / args.steps * 1e3:.2f}", f"{s / args.steps / messages * 1e6:.2f}",
+                        f"{(s - floor) / args.steps / messages * 1e6:+.2f} us"] for name, s in rows])
     return 0
+
+
+def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
+    """The training-step table's rows: [(name, seconds for ``n`` steps)] and messages a step."""
+    import torch
+    from torch.utils._pytree import tree_unflatten
+
+    import tdmesh
+    import tdmesh.engine.client as client_module
+    import tdmesh.engine.dispatch as dispatch_module
+    import tdmesh.engine.issue as issue_module
+    import tdmesh.errors as errors
+    from tdmesh.engine.plan import PLANS
+    from tdmesh.engine.stream import get_active_stream
+    from tdmesh.engine.tensor import AliasSet, Tensor, new_proxy
+
+    sys.path.insert(0, os.path.join(h.REPO_ROOT, "tutorials"))
+    from nanogpt import GPT, sized
+    tdmesh.random.set_manual_seed_remote(0)
+    with tdmesh.no_mesh.activate():  # gpt2's token stream is local data, drawn from a local generator
+        cfg, _ = sized(size)
+    model = GPT(cfg)
+    # bench.train_step's eager step: the same model, optimizer, batch and step function
+    step_of = h.data_parallel_step(model, h.train_optimizer(model.parameters(), mesh.device_type == "cuda"), mesh,
+                                   bf16)
+    x = torch.randint(cfg.vocab_size, (batch, cfg.block_size))
+    y = torch.randint(cfg.vocab_size, (batch, cfg.block_size))
+
+    def step():
+        return step_of(x, y)
+
+    def run():
+        for _ in range(n):
+            loss = step()
+        return loss
+
+    client = mesh.client
+    tdmesh.fetch_shard(run().detach()).result()
+    first = client.last_seq
+    tdmesh.fetch_shard(run().detach()).result()
+    messages = round((client.last_seq - first - 1) / n)  # less the fetch's own message
+
+    def issued() -> float:
+        """The client's time to issue ``n`` steps (the workers' end is waited for outside it)."""
+        best = float("inf")
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            loss = run()
+            best = min(best, time.perf_counter() - start)
+            tdmesh.fetch_shard(loss).result()
+        return best
+
+    rows = [("tdmesh", issued())]
+    captured = errors.call_site
+    try:
+        issue_module.call_site = client_module.call_site = lambda skip=0: []  # type: ignore[assignment]
+        rows.append(("tdmesh, no site", issued()))
+    finally:
+        issue_module.call_site = client_module.call_site = captured  # type: ignore[assignment]
+
+    def inputs_and_key(func, args, kwargs):
+        remote: list = []
+        local: list = []
+        parts = [dispatch_module._scan(a, remote, local) for a in args]
+        return remote, (func, (tuple, tuple(parts)), dispatch_module._scan(kwargs, remote, local) if kwargs else None)
+
+    def proxies(plan, remote):
+        device = remote[0].device if remote else client.device
+        stream = get_active_stream()
+        out = [new_proxy(value, device, mesh, client.new_ref(), remote[slot]._r.aliases if slot >= 0 else AliasSet(),
+                         stream) if kind == 0 else (remote[value] if kind == 1 else value)
+               for kind, value, slot in plan.outputs]
+        return out[0] if plan.single else tree_unflatten(out, plan.spec)
+
+    order: list = []
+    unplanned: list = []
+
+    def by_key(func, args, kwargs):
+        if dispatch_module._makes_no_tensor(func):  # the profiler's ranges: the client's own, as in tdmesh
+            return func(*args, **kwargs)
+        remote, key = inputs_and_key(func, args, kwargs)
+        plan = PLANS.get(key)
+        if plan is None:
+            unplanned.append(func)
+            return func(*args, **kwargs) if not remote else dispatch_module.dispatch(func, args, kwargs)
+        order.append(plan)
+        return proxies(plan, remote)
+
+    given = iter(())
+
+    def by_order(func, args, kwargs):
+        if dispatch_module._makes_no_tensor(func):
+            return func(*args, **kwargs)
+        plan = next(given, None)
+        if plan is None or plan.func is not func:
+            unplanned.append(func)
+            return func(*args, **kwargs)
+        remote: list = []
+        for a in args:
+            dispatch_module._scan(a, remote, [])
+        return proxies(plan, remote)
+
+    def handled_by(fn):
+        dispatch_module._MeshMode.__torch_dispatch__ = (  # type: ignore[method-assign]
+            lambda self, func, types, args=(), kwargs=None: fn(func, args, kwargs or {}))
+        Tensor.dispatch = staticmethod(fn)  # type: ignore[assignment]
+
+    def ordered():
+        nonlocal given
+        for _ in range(n):
+            given = iter(per_step)
+            step()
+
+    per_step: list = []
+    reduce_ = tdmesh.reduce_
+    handler, tensor_handler = dispatch_module._MeshMode.__torch_dispatch__, Tensor.dispatch
+    try:
+        tdmesh.reduce_ = lambda *a, **k: None  # type: ignore[assignment]
+        handled_by(by_key)
+        rows.append(("plan proxies", h.best_after_warmup(run, repeats)))
+        per_step = order[:len(order) // ((repeats + 1) * n)]  # one step's plans, in order
+        handled_by(by_order)
+        rows.append(("given proxies", h.best_after_warmup(ordered, repeats)))
+    finally:
+        dispatch_module._MeshMode.__torch_dispatch__ = handler  # type: ignore[method-assign]
+        Tensor.dispatch = tensor_handler  # type: ignore[assignment]
+        tdmesh.reduce_ = reduce_
+    if unplanned:
+        print(f"note: {len(unplanned)} ops without a plan in the floor rows (run as tdmesh runs them): "
+              f"{sorted(set(map(str, unplanned)))[:5]}")
+    tdmesh.fetch_shard(run().detach()).result()
+    return rows, messages
 
 
 if __name__ == "__main__":

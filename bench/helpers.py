@@ -94,6 +94,18 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
         print("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
 
 
+def process_cpu_seconds(pids) -> float:
+    """User + system CPU seconds the processes ``pids`` have used so far (all their threads;
+    Linux's /proc; their children not included)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+        total += int(fields[11]) + int(fields[12])  # utime, stime: the 14th and 15th fields
+    return total / ticks
+
+
 def machine_line() -> str:
     try:
         load = "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())

@@ -76,7 +76,14 @@ def main(argv=None) -> None:
     import torch
 
     import tdmesh
-    from bench.helpers import OpCounter, count_kernels, data_parallel_step, overlapped_step, train_optimizer
+    from bench.helpers import (
+        OpCounter,
+        count_kernels,
+        data_parallel_step,
+        overlapped_step,
+        process_cpu_seconds,
+        train_optimizer,
+    )
 
     from nanogpt import GPT, sized
     train = __import__("runpy").run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
@@ -100,17 +107,23 @@ def main(argv=None) -> None:
                                       clip=args.clip)
 
         issue_s: dict = {}
+        cpu_s: dict = {}  # fn -> (the client's, the workers') CPU seconds per step of its last timed run
+        worker_pids = list(mesh.fleet.processes.pids().values()) if mesh.fleet.processes is not None else []
 
         def timed(fn, first: int) -> tuple[float, float]:
             # the batches are made before the timer starts, as DDP's loop makes each batch before its timer
             batches = [batch(data, args.batch_size, cfg.block_size, rank, i) for i in range(first, first + args.steps)]
             tdmesh.fetch_shard(batches[-1][0]).result()
+            client_cpu, workers_cpu = time.process_time(), process_cpu_seconds(worker_pids)
             start = time.perf_counter()
             for x, y in batches:
                 loss = fn(x, y)
             issue_s[fn] = (time.perf_counter() - start) / args.steps  # the client's own time per step
             final = tdmesh.fetch_shard(loss).result()
-            return (time.perf_counter() - start) / args.steps, float(final)
+            wall = (time.perf_counter() - start) / args.steps
+            cpu_s[fn] = ((time.process_time() - client_cpu) / args.steps,
+                         (process_cpu_seconds(worker_pids) - workers_cpu) / args.steps)
+            return wall, float(final)
 
         step = fresh()
         for i in range(SETUP_STEPS):  # the eager step's first steps allocate: not timed either
@@ -139,7 +152,7 @@ def main(argv=None) -> None:
             for _ in range(args.rounds):
                 for how, fn in steps_of.items():
                     step_s, final_o = timed(fn, SETUP_STEPS)
-                    overlapped.setdefault(how, []).append((step_s, final_o, issue_s[fn]))
+                    overlapped.setdefault(how, []).append((step_s, final_o, issue_s[fn], *cpu_s[fn]))
         # compiled variants, each continuing the training: a generated program per worker, and on
         # CUDA that program captured as a CUDA graph; the first two calls (trace, definition,
         # warm-up and capture) are timed apart from the steps
@@ -177,10 +190,13 @@ def main(argv=None) -> None:
         print(f"  --overlap, {args.rounds} rounds of {args.steps} steps in turn, median step (and issue) time; "
               f"{args.buckets} buckets reduced on a second stream while backward runs:")
         median = {how: sorted(rows)[len(rows) // 2] for how, rows in overlapped.items()}
-        for how, (step_s, _, issue_o) in median.items():
+        for how, (step_s, _, issue_o, client_c, workers_c) in median.items():
             rounds = " ".join(f"{r[0] * 1e3:.2f}" for r in overlapped[how])
             print(f"    {how:<10}: {step_s * 1e3:7.2f} ms/step ({issue_o * 1e3:.2f} ms issue; rounds {rounds}; "
                   f"final loss {overlapped[how][-1][1]:.4f})  eager/this {median['eager'][0] / step_s:.3f}x")
+            print(f"    {'':<10}  CPU a step (that round): client {client_c * 1e3:.2f} ms, workers "
+                  f"{workers_c * 1e3:.2f} ms, together {(client_c + workers_c) / step_s:.2f} cores busy of "
+                  f"{os.cpu_count()}")
     for label, step_s, final_c, issue_c, setup_s in compiled:
         print(f"  {label:<15}: {step_s * 1e3:9.2f} ms/step   ({final_c:.4f} final loss; issued in "
               f"{issue_c * 1e3:.2f} ms; first {SETUP_STEPS} steps incl. trace + capture {setup_s:.1f} s)  DDP/this "
