@@ -323,7 +323,8 @@ def overlapped_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = Tr
     gradient is in, the buffer is lent to a second stream and averaged there, so the workers
     reduce it while they compute the rest of backward (one borrow and one collective a bucket,
     not one a gradient).  ``how``: ``"generator"`` iterates ``tdmesh.grad_generator``;
-    ``"hooks"`` runs torch's own backward with a post-accumulate-grad hook per parameter.
+    ``"hooks"`` runs torch's own backward with a post-accumulate-grad hook per parameter
+    (registered at the first step, as DDP registers its hooks once).
     ``set_to_none``: ``opt.zero_grad``'s; a new gradient is copied into its view (with kept
     gradients backward accumulates into the views themselves)."""
     import torch
@@ -370,43 +371,50 @@ def overlapped_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = Tr
         with comms.activate():
             borrowed.reduce_(mesh.names, "avg")
 
+    current: dict = {}  # the step under way: what the hooks add to (empty between steps)
+
+    def arrive(p, g) -> None:
+        arrived, pending = current["arrived"], current["pending"]
+        k = plan["bucket_of"][id(p)]
+        view = plan["views"][id(p)]
+        if g is not None and g is not view:
+            pending[k].append((p, view, g))
+        arrived[k] += 1
+        if arrived[k] == len(plan["groups"][k]):
+            into_views(pending[k])
+            reduce_on_comms(k, current["lent"])
+
+    def hook(p) -> None:  # torch's engine may complete a bucket's gradients in another order
+        if current:  # (a backward outside the step, e.g. the user's own, is not this step's)
+            arrive(p, p.grad)
+
     def step(x, y):
         with torch.autocast(mesh.device_type, dtype=torch.bfloat16, enabled=bf16):
             loss = model(x, y)
         opt.zero_grad(set_to_none=set_to_none)
         if not plan:  # the order backward completes the gradients: the same every step
             make_plan(loss)
+            if how == "hooks":  # registered once, as DDP registers its hooks
+                for p in params:
+                    p.register_post_accumulate_grad_hook(hook)
         lent: list = []
-        arrived = [0] * len(plan["groups"])
-        pending: list[list] = [[] for _ in plan["groups"]]  # per bucket: (param, view, new gradient)
-
-        def arrive(p, g) -> None:
-            k = plan["bucket_of"][id(p)]
-            view = plan["views"][id(p)]
-            if g is not None and g is not view:
-                pending[k].append((p, view, g))
-            arrived[k] += 1
-            if arrived[k] == len(plan["groups"][k]):
-                into_views(pending[k])
-                reduce_on_comms(k, lent)
-        if how == "generator":
-            for p, g in zip(plan["order"], tdmesh.grad_generator(loss, plan["order"])):
-                if g is not None and p.grad is not None:  # (None: not reached from the loss)
-                    g = p.grad + g
-                arrive(p, g)
-        else:
-            def hook(p) -> None:  # torch's engine may complete a bucket's gradients in another order
-                arrive(p, p.grad)
-            handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
-            try:
+        current.update(lent=lent, arrived=[0] * len(plan["groups"]),
+                       pending=[[] for _ in plan["groups"]])  # per bucket: (param, view, new gradient)
+        try:
+            if how == "generator":
+                for p, g in zip(plan["order"], tdmesh.grad_generator(loss, plan["order"])):
+                    if g is not None and p.grad is not None:  # (None: not reached from the loss)
+                        g = p.grad + g
+                    arrive(p, g)
+            else:
                 loss.backward()
-            finally:
-                for h in handles:
-                    h.remove()
-            for k in range(len(plan["groups"])):  # a bucket with a parameter backward did not reach
-                if 0 < arrived[k] < len(plan["groups"][k]):
-                    into_views(pending[k])
-                    reduce_on_comms(k, lent)
+                arrived = current["arrived"]
+                for k in range(len(plan["groups"])):  # a bucket with a parameter backward did not reach
+                    if 0 < arrived[k] < len(plan["groups"][k]):
+                        into_views(current["pending"][k])
+                        reduce_on_comms(k, lent)
+        finally:
+            current.clear()
         for borrow in lent:
             borrow.drop()
         opt.step()
