@@ -14,6 +14,10 @@ Every row times the loop ``x = ones + x`` (100x100 float32) as the client issues
   tdmesh's own     the same two with tdmesh's classes and modes (``tdmesh.Tensor``, the mesh's
     empty / new    torch-function mode and dispatch mode): the mode's handler returns one
                    preallocated proxy, or a new one (``tensor.new_proxy``), and sends nothing
+  least sent       the mode's handler does the least an op that is sent must do in Python: a
+                   new ref and proxy, a message of ints pickled and queued (no placement
+                   checks, no dataflow history, no framing or socket), and ``+ site`` with
+                   the user's call site captured as tdmesh captures it
   tdmesh           the loop under ``mesh.activate()``, one worker
   tdmesh, no site  the same with the user's call site not captured (``errors.call_site``
                    answering at once): what capturing it costs
@@ -48,6 +52,7 @@ import argparse
 import os
 import sys
 import time
+from pickle import dumps
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -121,7 +126,7 @@ def main(argv=None) -> int:
                 x = ones + x
             return x
         import tdmesh.engine.dispatch as dispatch_module
-        from tdmesh.engine.tensor import new_proxy
+        from tdmesh.engine.tensor import AliasSet, Tensor, new_proxy
         mode, handler = dispatch_module._MeshMode, dispatch_module._MeshMode.__torch_dispatch__
         x = adds()
         try:
@@ -130,6 +135,25 @@ def main(argv=None) -> int:
             mode.__torch_dispatch__ = lambda self, func, types, args=(), kwargs=None: new_proxy(  # type: ignore
                 x._meta, x.device, x._mesh, x._r.id, x._r.aliases, x._stream)
             rows.append(("tdmesh's own, new", h.best_after_warmup(adds, args.repeats)))
+            client, sent, seqs = mesh.client, [], iter(range(1 << 62))
+
+            def least(self, func, types, args=(), kwargs=None, site=False):
+                """The least an op that is sent can cost in Python: a new ref and proxy, a message
+                of ints pickled and queued (no checks, no history, no framing, no socket)."""
+                ref = client.new_ref()
+                out = new_proxy(x._meta, x.device, x._mesh, ref, AliasSet(), x._stream)
+                uses = tuple([a._r.id for a in args if type(a) is Tensor])
+                sent.append(dumps((next(seqs), 1, (ref,), (), uses, 0), 5))
+                if site:
+                    errors.call_site(1)
+                return out
+            mode.__torch_dispatch__ = least  # type: ignore[method-assign]
+            rows.append(("least sent", h.best_after_warmup(adds, args.repeats)))
+            sent.clear()
+            mode.__torch_dispatch__ = lambda self, func, types, args=(), kwargs=None: least(  # type: ignore
+                self, func, types, args, kwargs, site=True)
+            rows.append(("least sent + site", h.best_after_warmup(adds, args.repeats)))
+            sent.clear()
         finally:
             mode.__torch_dispatch__ = handler  # type: ignore[method-assign]
         rows.append(("tdmesh", h.best_after_warmup(adds, args.repeats)))
