@@ -31,7 +31,7 @@ first step.  Per step, and per message the real step sends:
 
   tdmesh           the step under ``mesh.activate()``, one worker: the client's time to issue
                    the steps (their end is waited for outside the timer)
-  (the step's rows are measured in rounds, every row in turn, each its best round)
+Every row of both tables is measured in rounds, every row in turn, each its best round.
   tdmesh, no site  the same without the call-site capture
   plan proxies     the mode's handler finds the op's plan as tdmesh's hot path does (its
                    arguments scanned, the (op, metadata) key looked up) and makes the plan's
@@ -105,70 +105,12 @@ def main(argv=None) -> int:
     import torch
 
     import tdmesh
-    import tdmesh.errors as errors
     n = args.iters
-    empty_cls, fresh_cls, meta = _wrappers()
-    rows = []
-    for name, cls in (("empty handler", empty_cls), ("new wrapper", fresh_cls)):
-        ones, x0 = cls(meta), cls(meta)
-
-        def loop(ones=ones, x0=x0):
-            x = x0
-            for _ in range(n):
-                x = ones + x
-        rows.append((name, h.best_after_warmup(loop, args.repeats)))
-    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, pool=False) as mesh, mesh.activate():
-        ones = torch.ones(100, 100)
-
-        def adds():
-            x = torch.zeros(100, 100)
-            for _ in range(n):
-                x = ones + x
-            return x
-        import tdmesh.engine.dispatch as dispatch_module
-        from tdmesh.engine.tensor import AliasSet, Tensor, new_proxy
-        mode, handler = dispatch_module._MeshMode, dispatch_module._MeshMode.__torch_dispatch__
-        x = adds()
-        try:
-            mode.__torch_dispatch__ = lambda self, func, types, args=(), kwargs=None: x  # type: ignore[method-assign]
-            rows.append(("tdmesh's own, empty", h.best_after_warmup(adds, args.repeats)))
-            mode.__torch_dispatch__ = lambda self, func, types, args=(), kwargs=None: new_proxy(  # type: ignore
-                x._meta, x.device, x._mesh, x._r.id, x._r.aliases, x._stream)
-            rows.append(("tdmesh's own, new", h.best_after_warmup(adds, args.repeats)))
-            client, sent, seqs = mesh.client, [], iter(range(1 << 62))
-
-            def least(self, func, types, args=(), kwargs=None, site=False):
-                """The least an op that is sent can cost in Python: a new ref and proxy, a message
-                of ints pickled and queued (no checks, no history, no framing, no socket)."""
-                ref = client.new_ref()
-                out = new_proxy(x._meta, x.device, x._mesh, ref, AliasSet(), x._stream)
-                uses = tuple([a._r.id for a in args if type(a) is Tensor])
-                sent.append(dumps((next(seqs), 1, (ref,), (), uses, 0), 5))
-                if site:
-                    errors.call_site(1)
-                return out
-            mode.__torch_dispatch__ = least  # type: ignore[method-assign]
-            rows.append(("least sent", h.best_after_warmup(adds, args.repeats)))
-            sent.clear()
-            mode.__torch_dispatch__ = lambda self, func, types, args=(), kwargs=None: least(  # type: ignore
-                self, func, types, args, kwargs, site=True)
-            rows.append(("least sent + site", h.best_after_warmup(adds, args.repeats)))
-            sent.clear()
-        finally:
-            mode.__torch_dispatch__ = handler  # type: ignore[method-assign]
-        rows.append(("tdmesh", h.best_after_warmup(adds, args.repeats)))
-        tdmesh.fetch_shard(adds()).result()
-        captured = errors.call_site
-        import tdmesh.engine.client as client_module
-        import tdmesh.engine.issue as issue_module
-        try:
-            issue_module.call_site = client_module.call_site = lambda skip=0: []  # type: ignore[assignment]
-            rows.append(("tdmesh, no site", h.best_after_warmup(adds, args.repeats)))
-        finally:
-            issue_module.call_site = client_module.call_site = captured  # type: ignore[assignment]
-        tdmesh.fetch_shard(adds()).result()
-        steps = _step_rows(mesh, args.size, args.batch_size, args.dtype == "bf16", args.steps,
-                                                 args.repeats) if args.steps else None
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, pool=False) as mesh:
+        rows = list(_add_rows(mesh, n, args.repeats).items())
+        with mesh.activate():
+            steps = _step_rows(mesh, args.size, args.batch_size, args.dtype == "bf16", args.steps,
+                               args.repeats) if args.steps else None
     print(f"dispatch floor: x = ones + x, {n} ops a run, best of {args.repeats}; torch {torch.__version__}; "
           f"{h.machine_line()}")
     floor = rows[1][1]
@@ -183,6 +125,112 @@ def main(argv=None) -> int:
                       [[name, f"{s / args.steps * 1e3:.2f}", f"{s / args.steps / messages * 1e6:.2f}",
                         f"{(s - floor) / args.steps / messages * 1e6:+.2f} us"] for name, s in rows])
     return 0
+
+
+def interleaved(variants: dict, repeats: int, after=None) -> dict:
+    """``variants``: name -> (enter, leave, fn).  Rounds of every variant in turn, each row its best
+    round (the first round warms up): a host whose speed drifts during the run (the H200 host's
+    does, by up to 2x) moves every row alike.  ``after(name, round, fn's result)`` runs untimed."""
+    best = dict.fromkeys(variants, float("inf"))
+    for round_ in range(repeats + 1):
+        for name, (enter, leave, fn) in variants.items():
+            enter()
+            try:
+                start = time.perf_counter()
+                out = fn()
+                seconds = time.perf_counter() - start
+            finally:
+                leave()
+            if round_:
+                best[name] = min(best[name], seconds)
+            if after is not None:
+                after(name, round_, out)
+    return best
+
+
+def _add_rows(mesh, n: int, repeats: int) -> dict:
+    """The add loop's rows: {name: seconds for ``n`` ops}."""
+    import contextlib
+
+    import torch
+
+    import tdmesh
+    import tdmesh.engine.client as client_module
+    import tdmesh.engine.dispatch as dispatch_module
+    import tdmesh.engine.issue as issue_module
+    import tdmesh.errors as errors
+    from tdmesh.engine.tensor import AliasSet, Tensor, new_proxy
+
+    empty_cls, fresh_cls, meta = _wrappers()
+
+    def loop_of(cls):
+        def loop(ones=cls(meta), x0=cls(meta)):
+            x = x0
+            for _ in range(n):
+                x = ones + x
+        return loop
+
+    def adds():
+        x = torch.zeros(100, 100)
+        for _ in range(n):
+            x = ones + x
+        return x
+
+    client, sent, seqs = mesh.client, [], iter(range(1 << 62))
+
+    def least(self, func, types, args=(), kwargs=None, site=False):
+        """The least an op that is sent can cost in Python: a new ref and proxy, a message
+        of ints pickled and queued (no checks, no history, no framing, no socket)."""
+        ref = client.new_ref()
+        out = new_proxy(x._meta, x.device, x._mesh, ref, AliasSet(), x._stream)
+        uses = tuple([a._r.id for a in args if type(a) is Tensor])
+        sent.append(dumps((next(seqs), 1, (ref,), (), uses, 0), 5))
+        if site:
+            errors.call_site(1)
+        return out
+
+    handlers = {
+        "tdmesh's own, empty": lambda self, func, types, args=(), kwargs=None: x,
+        "tdmesh's own, new": lambda self, func, types, args=(), kwargs=None: new_proxy(
+            x._meta, x.device, x._mesh, x._r.id, x._r.aliases, x._stream),
+        "least sent": least,
+        "least sent + site": lambda self, func, types, args=(), kwargs=None: least(self, func, types, args, kwargs,
+                                                                                 site=True)}
+    mode, handler = dispatch_module._MeshMode, dispatch_module._MeshMode.__torch_dispatch__
+    captured = errors.call_site
+    activation: list = []
+
+    def on_mesh(name: str):
+        def enter():
+            activation.append(mesh.activate())
+            if name in handlers:
+                mode.__torch_dispatch__ = handlers[name]  # type: ignore[method-assign]
+            elif name == "tdmesh, no site":
+                issue_module.call_site = client_module.call_site = lambda skip=0: []  # type: ignore[assignment]
+
+        def leave():
+            mode.__torch_dispatch__ = handler  # type: ignore[method-assign]
+            issue_module.call_site = client_module.call_site = captured  # type: ignore[assignment]
+            sent.clear()
+            activation.pop().deactivate()
+        return enter, leave, adds
+
+    def after(name: str, round_: int, out) -> None:
+        if name.startswith("tdmesh,") or name == "tdmesh":  # the workers' end, outside the timer
+            tdmesh.fetch_shard(out).result()
+        elif name in handlers:  # the frees of the row's proxies sent and done before the next row
+            tdmesh.fetch_shard(ones).result()
+
+    with mesh.activate():
+        ones = torch.ones(100, 100)
+        x = adds()
+        tdmesh.fetch_shard(x).result()
+    nothing = contextlib.nullcontext
+    variants = {"empty handler": (nothing().__enter__, lambda: None, loop_of(empty_cls)),
+                "new wrapper": (nothing().__enter__, lambda: None, loop_of(fresh_cls))}
+    for name in [*handlers, "tdmesh", "tdmesh, no site"]:
+        variants[name] = on_mesh(name)
+    return interleaved(variants, repeats, after)
 
 
 def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
@@ -304,25 +352,17 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
     handler, tensor_handler = dispatch_module._MeshMode.__torch_dispatch__, Tensor.dispatch
     variants = {"tdmesh": as_tdmesh(True), "tdmesh, no site": as_tdmesh(False),
                 "plan proxies": as_floor(by_key, run), "given proxies": as_floor(by_order, ordered)}
-    best = dict.fromkeys(variants, float("inf"))
     per_step: list = []
-    # rounds of every variant in turn, each row its best round: a host whose speed drifts during
-    # the run (the H200 host's does, by up to 2x) moves every row alike
-    for round_ in range(repeats + 1):
-        for name, (enter, leave, timed) in variants.items():
-            enter()
-            try:
-                start = time.perf_counter()
-                loss = timed()
-                seconds = time.perf_counter() - start
-            finally:
-                leave()
-            if round_:  # the first round warms up (and finds the step's plans, in order)
-                best[name] = min(best[name], seconds)
-            elif timed is run and name == "plan proxies":
-                per_step = order[:len(order) // n]
-            if name.startswith("tdmesh"):  # the workers' end, waited for outside the timer
-                tdmesh.fetch_shard(loss).result()
+
+    def after(name: str, round_: int, loss) -> None:
+        nonlocal per_step
+        if round_ == 0 and name == "plan proxies":  # the step's plans, in order, for "given proxies"
+            per_step = order[:len(order) // n]
+        # the workers' end (or the frees of the floor's proxies) sent and done outside the timer
+        tdmesh.fetch_shard(loss if name.startswith("tdmesh") else a_parameter).result()
+
+    a_parameter = next(model.parameters())
+    best = interleaved(variants, repeats, after)
     if unplanned:
         print(f"note: {len(unplanned)} ops without a plan in the floor rows (run as tdmesh runs them): "
               f"{sorted(set(map(str, unplanned)))[:5]}")
