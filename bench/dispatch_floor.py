@@ -4,8 +4,8 @@ subclass, against tdmesh's whole client path, same process, microseconds per op.
     python -m bench.dispatch_floor                 # CPU worker
     python -m bench.dispatch_floor --device cuda   # a GPU worker (the client's work is the same)
 
-Every row times the loop ``x = ones + x`` (100x100 float32) as the client issues it (best of
-``--repeats``; the workers' execution is not waited for, except by tdmesh's own flow control):
+Every row times the loop ``x = ones + x`` (100x100 float32) as the client issues it (the
+workers' execution is waited for outside the timer):
 
   empty handler    a wrapper subclass whose ``__torch_dispatch__`` returns one preallocated
                    wrapper: torch's argument parsing, its dispatcher and the call into Python
@@ -31,7 +31,6 @@ first step.  Per step, and per message the real step sends:
 
   tdmesh           the step under ``mesh.activate()``, one worker: the client's time to issue
                    the steps (their end is waited for outside the timer)
-Every row of both tables is measured in rounds, every row in turn, each its best round.
   tdmesh, no site  the same without the call-site capture
   plan proxies     the mode's handler finds the op's plan as tdmesh's hot path does (its
                    arguments scanned, the (op, metadata) key looked up) and makes the plan's
@@ -44,6 +43,9 @@ Every row of both tables is measured in rounds, every row in turn, each its best
 
 The step's target (issue 29) is a client cost per op; ``given proxies`` is the part of it no
 change to tdmesh's own work can remove.
+
+Both tables time their rows in rounds (``--repeats`` after one that warms up), every row in
+turn, each row its best round: the H200 host's speed drifts within a run, by up to 2x.
 """
 
 from __future__ import annotations
