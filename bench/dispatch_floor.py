@@ -150,16 +150,21 @@ def interleaved(variants: dict, repeats: int, after=None) -> dict:
     return best
 
 
+def _capture_call_sites(on: bool) -> None:
+    """tdmesh's per-op capture of the user's call site, or a stand-in that captures nothing."""
+    import tdmesh.engine.client as client_module
+    import tdmesh.engine.issue as issue_module
+    import tdmesh.errors as errors
+    site = errors.call_site if on else (lambda skip=0: [])
+    issue_module.call_site = client_module.call_site = site  # type: ignore[assignment]
+
+
 def _add_rows(mesh, n: int, repeats: int) -> dict:
     """The add loop's rows: {name: seconds for ``n`` ops}."""
-    import contextlib
-
     import torch
 
     import tdmesh
-    import tdmesh.engine.client as client_module
     import tdmesh.engine.dispatch as dispatch_module
-    import tdmesh.engine.issue as issue_module
     import tdmesh.errors as errors
     from tdmesh.engine.tensor import AliasSet, Tensor, new_proxy
 
@@ -199,7 +204,6 @@ def _add_rows(mesh, n: int, repeats: int) -> dict:
         "least sent + site": lambda self, func, types, args=(), kwargs=None: least(self, func, types, args, kwargs,
                                                                                  site=True)}
     mode, handler = dispatch_module._MeshMode, dispatch_module._MeshMode.__torch_dispatch__
-    captured = errors.call_site
     activation: list = []
 
     def on_mesh(name: str):
@@ -208,28 +212,27 @@ def _add_rows(mesh, n: int, repeats: int) -> dict:
             if name in handlers:
                 mode.__torch_dispatch__ = handlers[name]  # type: ignore[method-assign]
             elif name == "tdmesh, no site":
-                issue_module.call_site = client_module.call_site = lambda skip=0: []  # type: ignore[assignment]
+                _capture_call_sites(False)
 
         def leave():
             mode.__torch_dispatch__ = handler  # type: ignore[method-assign]
-            issue_module.call_site = client_module.call_site = captured  # type: ignore[assignment]
+            _capture_call_sites(True)
             sent.clear()
             activation.pop().deactivate()
         return enter, leave, adds
 
     def after(name: str, round_: int, out) -> None:
-        if name.startswith("tdmesh,") or name == "tdmesh":  # the workers' end, outside the timer
-            tdmesh.fetch_shard(out).result()
-        elif name in handlers:  # the frees of the row's proxies sent and done before the next row
+        if name in handlers:  # the frees of the row's proxies sent and done before the next row
             tdmesh.fetch_shard(ones).result()
+        elif out is not None:  # tdmesh's own rows: the workers' end, outside the timer
+            tdmesh.fetch_shard(out).result()
 
     with mesh.activate():
         ones = torch.ones(100, 100)
         x = adds()
         tdmesh.fetch_shard(x).result()
-    nothing = contextlib.nullcontext
-    variants = {"empty handler": (nothing().__enter__, lambda: None, loop_of(empty_cls)),
-                "new wrapper": (nothing().__enter__, lambda: None, loop_of(fresh_cls))}
+    off_mesh = (lambda: None, lambda: None)
+    variants = {"empty handler": (*off_mesh, loop_of(empty_cls)), "new wrapper": (*off_mesh, loop_of(fresh_cls))}
     for name in [*handlers, "tdmesh", "tdmesh, no site"]:
         variants[name] = on_mesh(name)
     return interleaved(variants, repeats, after)
@@ -241,10 +244,7 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
     from torch.utils._pytree import tree_unflatten
 
     import tdmesh
-    import tdmesh.engine.client as client_module
     import tdmesh.engine.dispatch as dispatch_module
-    import tdmesh.engine.issue as issue_module
-    import tdmesh.errors as errors
     from tdmesh.engine.plan import PLANS
     from tdmesh.engine.stream import get_active_stream
     from tdmesh.engine.tensor import AliasSet, Tensor, new_proxy
@@ -330,13 +330,7 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
         return loss
 
     def as_tdmesh(site: bool):
-        def enter():
-            if not site:
-                issue_module.call_site = client_module.call_site = lambda skip=0: []  # type: ignore[assignment]
-
-        def leave():
-            issue_module.call_site = client_module.call_site = captured  # type: ignore[assignment]
-        return enter, leave, run
+        return (lambda: _capture_call_sites(site)), (lambda: _capture_call_sites(True)), run
 
     def as_floor(fn, timed):
         def enter():
@@ -349,7 +343,6 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
             tdmesh.reduce_ = reduce_
         return enter, leave, timed
 
-    captured = errors.call_site
     reduce_ = tdmesh.reduce_
     handler, tensor_handler = dispatch_module._MeshMode.__torch_dispatch__, Tensor.dispatch
     variants = {"tdmesh": as_tdmesh(True), "tdmesh, no site": as_tdmesh(False),
