@@ -315,11 +315,16 @@ def data_parallel_step(model, opt, mesh, bf16: bool = False, set_to_none: bool =
     return step
 
 
-def overlapped_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = True, buckets: int = 4,
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
+DDP_BUCKET_BYTES = 25 * 1024 * 1024    # DistributedDataParallel(bucket_cap_mb=25), its default
+
+
+def overlapped_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = True, buckets: int | None = None,
                     how: str = "generator"):
     """``data_parallel_step`` with the gradients averaged bucket by bucket while backward runs,
-    as DDP does: each bucket (about ``1/buckets`` of the gradient bytes, in the order backward
-    completes them) is one flat buffer whose views are its parameters' ``.grad``; once its last
+    as DDP does: each bucket (in the order backward completes the gradients: DDP's sizes by
+    default, the first closed at 1 MiB and the others at 25 MiB; ``buckets=N``: N of about equal
+    bytes) is one flat buffer whose views are its parameters' ``.grad``; once its last
     gradient is in, the buffer is lent to a second stream and averaged there, so the workers
     reduce it while they compute the rest of backward (one borrow and one collective a bucket,
     not one a gradient).  ``how``: ``"generator"`` iterates ``tdmesh.grad_generator``;
@@ -340,7 +345,11 @@ def overlapped_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = Tr
         groups: list[list] = [[]]
         size = 0
         for p in order:
-            if size >= total / buckets and len(groups) < buckets:
+            if buckets is None:  # DDP's: a bucket closes once it holds its cap
+                full = size >= (DDP_FIRST_BUCKET_BYTES if len(groups) == 1 else DDP_BUCKET_BYTES)
+            else:
+                full = size >= total / buckets and len(groups) < buckets
+            if full or (groups[-1] and p.dtype != groups[-1][0].dtype):  # a flat buffer holds one dtype
                 groups.append([])
                 size = 0
             groups[-1].append(p)
@@ -419,6 +428,7 @@ def overlapped_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = Tr
             borrow.drop()
         opt.step()
         return loss.detach()
+    step.buckets = lambda: len(plan.get("groups", ()))  # type: ignore[attr-defined]  # once a step has run
     return step
 
 

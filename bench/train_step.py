@@ -4,6 +4,7 @@
     python -m bench.train_step --device cuda --size small --workers 2
     python -m bench.train_step --device cuda --size gpt2 --dtype bf16 --batch-size 16
     python -m bench.train_step --clip            # every step also reads a value on the host
+    python -m bench.train_step --paired 5        # and 5 rounds of DDP then tdmesh eager: the median ratio
 
 Same model (tutorials/nanogpt.py), same initial weights, same per-rank batches, same
 optimizer, same number of workers, in one run: the DDP baseline runs under torchrun in a
@@ -52,21 +53,33 @@ def main(argv=None) -> None:
     p.add_argument("--overlap", action="store_true",
                    help="also the eager step with gradients reduced bucket by bucket while backward runs, on a "
                         "second stream: through tdmesh.grad_generator and through post-accumulate-grad hooks")
-    p.add_argument("--buckets", type=int, default=4, help="buckets of --overlap's reduction")
+    p.add_argument("--buckets", type=int, default=None,
+                   help="buckets of --overlap's reduction (default: DDP's sizes, the first 1 MiB, the others 25 MiB)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of --overlap's alternating measurement")
+    p.add_argument("--paired", type=int, default=0,
+                   help="also N rounds of DDP (a torchrun run) then tdmesh eager, one after the other, and the median "
+                        "of each round's ratio: the host's speed drifts between runs, a round's two halves share it")
     args = p.parse_args(argv)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if args.device == "cpu":
         env["TDMESH_DEVICE"] = os.environ["TDMESH_DEVICE"] = "cpu"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                          str(args.workers), os.path.join(ROOT, "bench", "ddp_train.py"), "--steps", str(args.steps),
-                          "--size", args.size, "--dtype", args.dtype, "--batch-size", str(args.batch_size)]
-                         + (["--reduce-overhead"] if args.device == "cuda" else []) + (["--clip"] if args.clip else []),
-                         capture_output=True, text=True, env=env, timeout=600)
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("DDP_STEP_SECONDS")), None)
-    if line is None:
-        sys.exit("the DDP baseline failed:\n" + out.stderr[-3000:])
-    ddp_s = float(line.split()[1])
+
+    def run_ddp(first: bool):
+        """The DDP baseline under torchrun: (its median step in seconds, its stdout, its DDP_STEP_SECONDS line);
+        the first run also times DDP + torch.compile on CUDA."""
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                              str(args.workers), os.path.join(ROOT, "bench", "ddp_train.py"), "--steps",
+                              str(args.steps), "--size", args.size, "--dtype", args.dtype, "--batch-size",
+                              str(args.batch_size)]
+                             + (["--reduce-overhead"] if args.device == "cuda" and first else [])
+                             + (["--clip"] if args.clip else []),
+                             capture_output=True, text=True, env=env, timeout=600)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("DDP_STEP_SECONDS")), None)
+        if line is None:
+            sys.exit("the DDP baseline failed:\n" + out.stderr[-3000:])
+        return float(line.split()[1]), out, line
+
+    ddp_s, out, line = run_ddp(first=True)
     ro_line = next((ln for ln in out.stdout.splitlines() if ln.startswith("DDP_RO_STEP_SECONDS")), None)
     for ln in out.stdout.splitlines():
         if ln.startswith("DDP_RO_FAILED"):
@@ -130,6 +143,9 @@ def main(argv=None) -> None:
             loss = step(*batch(data, args.batch_size, cfg.block_size, rank, i))
         tdmesh.fetch_shard(loss).result()
         ours_s, final = timed(step, SETUP_STEPS)
+        paired = []  # (DDP s, tdmesh eager s) per round of --paired
+        for _ in range(args.paired):
+            paired.append((run_ddp(first=False)[0], timed(step, SETUP_STEPS)[0]))
         x, y = batch(data, args.batch_size, cfg.block_size, rank, 0)
         first = mesh.client.last_seq
         with OpCounter() as counted:
@@ -188,7 +204,8 @@ def main(argv=None) -> None:
           f"in {issue_s[step] * 1e3:.2f} ms)")
     if overlapped:
         print(f"  --overlap, {args.rounds} rounds of {args.steps} steps in turn, median step (and issue) time; "
-              f"{args.buckets} buckets reduced on a second stream while backward runs:")
+              f"{steps_of['hooks'].buckets()} bucket(s) ({'DDP sizes' if args.buckets is None else '--buckets'}) "
+              f"reduced on a second stream while backward runs:")
         median = {how: sorted(rows)[len(rows) // 2] for how, rows in overlapped.items()}
         for how, (step_s, _, issue_o, client_c, workers_c) in median.items():
             rounds = " ".join(f"{r[0] * 1e3:.2f}" for r in overlapped[how])
@@ -202,6 +219,11 @@ def main(argv=None) -> None:
               f"{issue_c * 1e3:.2f} ms; first {SETUP_STEPS} steps incl. trace + capture {setup_s:.1f} s)  DDP/this "
               f"{ddp_s / step_s:.3f}x")
     print(f"  DDP/tdmesh     : {ddp_s / ours_s:9.3f}x  (1.0 = as fast as DDP)")
+    if paired:
+        ratios = sorted(d / t for d, t in paired)
+        print(f"  --paired       : {ratios[len(ratios) // 2]:9.3f}x  median DDP/tdmesh of {len(paired)} rounds "
+              f"(DDP then tdmesh eager each): " + ", ".join(f"{d * 1e3:.2f}/{t * 1e3:.2f} ms = {d / t:.3f}x"
+                                                             for d, t in paired))
     print(f"  ops per step   : {counted.ops} issued by tdmesh, {plain_ops} in a plain local step "
           f"({counted.ops / plain_ops:.2f}x); {messages} messages per tdmesh step")
     if kernels is not None:

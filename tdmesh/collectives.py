@@ -49,7 +49,10 @@ _plans: dict = {}
 
 
 def _plan(t, dims, reduction: str, scatter: bool, inplace: bool) -> _ReducePlan:
-    key = (t.mesh.shape, dims, reduction, scatter, inplace, t.shape, t.dtype)
+    # the proxy's own fields, not t.shape and t.dtype: under an active mesh each of those is a round trip
+    # through the mode's __torch_function__ (~2 us), and reduce_ plans every gradient of a step
+    meta = t._meta
+    key = (t._mesh.shape, dims, reduction, scatter, inplace, meta.size, meta.dtype)
     try:
         return _plans[key]
     except (KeyError, TypeError):  # TypeError: unhashable dims, checked (and refused) below
@@ -90,7 +93,7 @@ def _reduce(t, dims, reduction: str, scatter: bool, mesh, inplace: bool, out):
     if mesh is not None:
         raise NotImplementedError("reduce(mesh=...) is not supported; reduce on the tensor's own mesh")
     plan = _plan(t, dims, reduction, scatter, inplace)
-    check_no_grad(t, "reduce")
+    check_no_grad([t], "reduce")
     stream = get_active_stream()
     inputs = [t] if out is None else [t, out]
     check_inputs(inputs, t.mesh, "reduce", stream)
@@ -152,8 +155,7 @@ def _bucketable(leaves: list, reduction: str, scatter: bool, mesh) -> bool:
 def _reduce_many(leaves: list, dims, reduction: str) -> None:
     first = leaves[0]
     plans = [_plan(t, dims, reduction, False, True) for t in leaves]
-    for t in leaves:
-        check_no_grad(t, "reduce")
+    check_no_grad(leaves, "reduce")
     stream = get_active_stream()
     check_inputs(leaves, first.mesh, "reduce", stream)
     for t in leaves:

@@ -34,6 +34,9 @@ VARIABLES = {
     "TDMESH_PROGRESS_CHECK_INTERVAL": ("10.0", "ControllerParams.progress_check_interval: seconds between "
                                                "progress checks"),
     "TDMESH_OPERATION_TIMEOUT": ("120.0", "ControllerParams.operation_timeout: seconds before a stuck op is reported"),
+    "TDMESH_FLUSH_INTERVAL": ("auto", "seconds between the client's timed sends of the ops it queues while it issues: "
+                                      "'auto' is 0.002, or 0.005 where this host runs more worker processes than it "
+                                      "has cores besides the client's (there an early send only preempts the client)"),
     "TDMESH_OPS_PER_PROGRESS_REQUEST": ("100", "ControllerParams.ops_per_progress_request: ops between "
                                                "progress probes"),
     "TDMESH_REQUIRE_BROWSER": ("", "tests: 1 makes a missing Chromium fail the dashboard's browser test instead of "

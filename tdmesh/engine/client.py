@@ -29,7 +29,7 @@ from .debugging import Debugger
 from .future import Future
 from .history import History
 from .observation import Observations
-from .outbox import Outbox
+from .outbox import Outbox, flush_interval
 from .reader import read_loop
 from .supervisor import FleetFailure, FleetInfo, Supervisor, WorkerLost
 from .tasks import Tasks
@@ -43,7 +43,6 @@ _BARE = (m.CallOp, m.CallRecording)
 _COALESCED_BATCH_BYTES = 16 * 1024
 _dumps, _PROTOCOL = pickle.dumps, pickle.HIGHEST_PROTOCOL  # transport.encode, without the call: once per op
 _monotonic = time.monotonic
-_FLUSH_INTERVAL = 0.002
 
 
 class Client:
@@ -69,6 +68,7 @@ class Client:
         self._next_seq = 0
         self.outbox = Outbox(tuple(self.ranks))
         self._last_flush = time.monotonic()
+        self.flush_interval = flush_interval(hellos)  # seconds between timed sends while a thread issues
         self._deletes: dict[object, tuple] = {}   # mesh -> (mesh, [refs]): DeviceMesh hashes by identity
         self._groups: dict = {}                   # CreateGroups key -> id, for keys already sent
         self.op_numbers: dict = {}                # OpPlan -> this client's number for it (DefineOp sent)
@@ -158,7 +158,7 @@ class Client:
                 coalescing.clients().add(self)
                 if outbox.bytes > _COALESCED_BATCH_BYTES:  # a long block streams: the workers start on it
                     self.flush()
-            elif outbox.bytes > _FLUSH_BYTES or _monotonic() - self._last_flush > _FLUSH_INTERVAL:
+            elif outbox.bytes > _FLUSH_BYTES or _monotonic() - self._last_flush > self.flush_interval:
                 self.flush()
 
     def send_setup(self, msg, ranks=None) -> None:
@@ -266,7 +266,7 @@ class Client:
 
     def _flush_loop(self) -> None:
         """Sends what a thread that stopped issuing left queued.  While a thread issues it flushes
-        itself (``submit``, every ``_FLUSH_INTERVAL``), and this thread keeps off the lock: taking it
+        itself (``submit``, every ``flush_interval``), and this thread keeps off the lock: taking it
         between two ops made the issuing thread wait for it and for the GIL (the tiny GPT's eager
         step 1.23x slower in an A/B on 2 cores, ``.dbg/ab_flusher.py``).  With nothing queued it
         sleeps until something is (``_wake_flusher``), not every 2 ms: an idle client took 2.6% of a
@@ -279,8 +279,8 @@ class Client:
                     self._work_queued.wait()
                 self._flusher_idle = False
                 continue
-            time.sleep(_FLUSH_INTERVAL)
-            if _monotonic() - self._last_flush < _FLUSH_INTERVAL:
+            time.sleep(self.flush_interval)
+            if _monotonic() - self._last_flush < self.flush_interval:
                 continue
             if (self.outbox.log or self._deletes) and not self._coalescing_held():
                 if self.lock.acquire(timeout=0.05):

@@ -52,8 +52,15 @@ def check_mutation(t: Tensor, what) -> None:
                                        f"{site_text(aliases.borrow.site)}) and would be mutated by {what}")
 
 
-def check_no_grad(t: Tensor, what: str) -> None:
-    """``what`` is not differentiable: refuse a tensor that autograd would have to follow."""
-    if t.requires_grad and torch.is_grad_enabled():
-        raise_in_op("REQUIRES_GRAD", f"{what} of tensor {t.ref}, which requires grad, is not differentiable; "
+def check_no_grad(tensors: Sequence[Tensor], what: str) -> None:
+    """``what`` is not differentiable: refuse a tensor that autograd would have to follow.
+    (``requires_grad`` read with torch functions off: under an active mesh each read is
+    otherwise a round trip through the mode's ``__torch_function__``, one per gradient of a
+    step's ``reduce_``.)"""
+    if not torch.is_grad_enabled():
+        return
+    with torch._C.DisableTorchFunction():
+        needs = next((t for t in tensors if t.requires_grad), None)
+    if needs is not None:
+        raise_in_op("REQUIRES_GRAD", f"{what} of tensor {needs._r.id}, which requires grad, is not differentiable; "
                                      f"use its .detach() or run under torch.no_grad()")

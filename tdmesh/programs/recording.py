@@ -113,8 +113,7 @@ class _Compiled:
         client = mesh.client
         if type(client.sink) is Recorder or self.eager_because is not None:  # inside compile, or eager for good
             return self.fn(*args, **kwargs)
-        for t in inputs:
-            check_no_grad(t, "tdmesh.compile (it does not record autograd)")
+        check_no_grad(inputs, "tdmesh.compile (it does not record autograd)")
         if key is None:
             key = call_key(spec, flat)
         rec = self.recordings.get(key)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from ..errors import ProtocolViolation, RecordingError
 from ..protocol import messages as m
@@ -31,7 +31,7 @@ from .ops import DefinedOp, slot_values
 from .recordings import Recordings
 from .streams import Stream
 from .tasks import Tasks
-from .values import DependentOnError, DeviceBroken, Poison, device_is_broken, to_fetchable, unseal
+from .values import DependentOnError, DeviceBroken, Poison, bind_results, device_is_broken, to_fetchable, unseal
 
 log = logging.getLogger("tdmesh.worker")
 _CALL_OP_FIELDS = len(m.CallOp._fields)
@@ -359,21 +359,7 @@ class Interpreter:
             return t((k, self._resolve(v, stream)) for k, v in obj.items())
         return obj
 
-    @staticmethod
-    def _bind(env: dict, results: tuple, value) -> None:
-        if not results:  # the client asked for no results (propagate="inspect")
-            return
-        if len(results) == 1 and isinstance(value, torch.Tensor):
-            if results[0] is not None:
-                env[results[0]] = value
-            return
-        leaves = tree_leaves(value)
-        if len(leaves) != len(results):
-            raise TypeError(f"function returned {len(leaves)} values where the client expected "
-                            f"{len(results)}")
-        for ref, leaf in zip(results, leaves):
-            if ref is not None:
-                env[ref] = leaf
+    _bind = staticmethod(bind_results)
 
     @staticmethod
     def _poison(env: dict, results, mutates, poison: Poison) -> None:

@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..errors import TdmeshError
 from ..protocol import messages as m
@@ -96,3 +97,32 @@ def to_fetchable(leaf):
             leaf = leaf.cpu()
         return pack_tensor(leaf)
     return leaf
+
+
+def bind_results(env: dict, results: tuple, value) -> None:
+    """Bind what an op or function returned to its result refs: a tensor to the one ref, else the
+    value's pytree leaves in order (None refs bind nothing); a count that differs is a TypeError."""
+    if not results:  # the client asked for no results (propagate="inspect")
+        return
+    if len(results) == 1 and isinstance(value, torch.Tensor):
+        if results[0] is not None:
+            env[results[0]] = value
+        return
+    if isinstance(value, (tuple, list)) and len(value) == len(results):
+        # a flat tuple or list of tensors (layer_norm's outputs, split, every foreach op): its
+        # leaves are its items, without the pytree walk (2.7 us for 3 items, 12 us for 29)
+        for leaf in value:
+            if not isinstance(leaf, torch.Tensor):
+                break
+        else:
+            for ref, leaf in zip(results, value):
+                if ref is not None:
+                    env[ref] = leaf
+            return
+    leaves = tree_leaves(value)
+    if len(leaves) != len(results):
+        raise TypeError(f"function returned {len(leaves)} values where the client expected "
+                        f"{len(results)}")
+    for ref, leaf in zip(results, leaves):
+        if ref is not None:
+            env[ref] = leaf

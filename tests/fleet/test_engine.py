@@ -86,6 +86,15 @@ def test_an_idle_clients_flusher_sleeps_until_something_is_queued(mesh1):
         assert torch.equal(inspect(x), torch.full((3,), 3.0))
 
 
+
+def test_a_fleet_that_shares_too_few_cores_with_its_client_is_sent_work_every_5_ms(mesh1, mesh2x2):
+    """The interval of timed sends follows this host's cores and the workers the Hellos place on it (on
+    this suite's 2-core CI machine: 1 worker + the client fit, 4 do not)."""
+    cores = len(os.sched_getaffinity(0))
+    for mesh, workers in ((mesh1, 1), (mesh2x2, 4)):
+        assert sum(h.hostname == mesh.client.hellos[0].hostname for h in mesh.client.hellos.values()) == workers
+        assert mesh.client.flush_interval == (0.005 if workers + 1 > cores else 0.002)
+
 def test_torch_tensor_ships_data(mesh2x2):
     with mesh2x2.activate():
         t = torch.tensor([1, 2, 4])

@@ -1,6 +1,7 @@
 """The relay tree, rank sets, the client's outbox and a worker's reading of it (hypothesis),
 and one relay over real sockets: forwarding, Status aggregation, lost ranks, shutdown."""
 import math
+import os
 import pickle
 import socket
 import threading
@@ -197,3 +198,21 @@ def test_a_relay_refuses_a_hello_without_the_token_and_waits_for_the_real_rank()
     thread.join(10)
     assert [c.key for c in relay.children] == [0] and relay.hellos[0].pid == 2
     worker.close()
+
+
+def _hellos(hosts: list[str]) -> dict:
+    return {rank: m.Hello(rank, b"", "", host, 1000 + rank, "cpu", None) for rank, host in enumerate(hosts)}
+
+
+def test_the_flush_interval_grows_only_where_workers_and_client_share_too_few_cores(monkeypatch):
+    """'auto': the client sends every 2 ms, or every 5 ms where this host's worker processes and the
+    client outnumber the cores it may run on; workers of other hosts do not count; a number is taken as given."""
+    from tdmesh.engine.outbox import FLUSH_INTERVAL, SHARED_CORES_FLUSH_INTERVAL, flush_interval
+    monkeypatch.delenv("TDMESH_FLUSH_INTERVAL", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    here, there = socket.gethostname(), socket.gethostname() + "-elsewhere"
+    assert flush_interval(_hellos([here] * (cores - 1))) == FLUSH_INTERVAL == 0.002  # one core each, client included
+    assert flush_interval(_hellos([here] * cores)) == SHARED_CORES_FLUSH_INTERVAL == 0.005
+    assert flush_interval(_hellos([here] * (cores - 1) + [there] * 8)) == FLUSH_INTERVAL
+    monkeypatch.setenv("TDMESH_FLUSH_INTERVAL", "0.0125")
+    assert flush_interval(_hellos([here] * (cores + 4))) == 0.0125

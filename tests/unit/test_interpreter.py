@@ -293,6 +293,36 @@ def test_no_result_slots_discards_the_value():
     assert sent == [] and interp.env == {}
 
 
+
+_leaf = st.one_of(st.builds(lambda n: torch.full((1,), float(n)), st.integers(0, 99)), st.none(),
+                  st.integers(0, 5), st.builds(lambda n: torch.tensor(n), st.integers(0, 9)))
+_returned = st.recursive(_leaf, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.lists(inner, max_size=4).map(tuple),
+    st.tuples(inner, inner).map(lambda p: torch.return_types.max(p))), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_returned, st.integers(-1, 1), st.data())
+def test_results_bind_the_leaves_of_what_a_function_returns(value, miscount, data):
+    """Differential: whatever an op or function returns (a tensor, a flat tuple or list of tensors,
+    nested containers, Nones, a torch.return_types value), its refs bind the value's pytree leaves
+    in order, None slots bind nothing, and a count that differs is a TypeError."""
+    leaves = tree_leaves(value)
+    count = max(0, len(leaves) + miscount) if leaves else len(leaves)
+    results = tuple(data.draw(st.one_of(st.none(), st.just(100 + i))) for i in range(count))
+    env: dict = {}
+    single = len(results) == 1 and isinstance(value, torch.Tensor)
+    if results and not single and count != len(leaves):
+        with pytest.raises(TypeError, match=f"returned {len(leaves)} values where the client expected {count}"):
+            Interpreter._bind(env, results, value)
+        return
+    Interpreter._bind(env, results, value)
+    expected = {} if not results else (
+        {results[0]: value} if single and results[0] is not None else
+        {} if single else {r: leaf for r, leaf in zip(results, leaves) if r is not None})
+    assert env.keys() == expected.keys()
+    assert all(env[r] is expected[r] for r in expected)
+
 # ----------------------------------------------------------------------------- 87-88: Python functions
 def test_python_function_results_are_split_across_refs():
     interp, sent = make()
