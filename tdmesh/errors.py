@@ -17,7 +17,7 @@ import sys
 import threading
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 __all__ = ["TdmeshError", "RemoteException", "DeviceException", "PlacementError", "UnknownDimError", "UsageError",
@@ -126,16 +126,48 @@ _SKIP = (os.path.dirname(os.path.abspath(__file__)) + os.sep, _dir_of("torch"), 
          os.path.dirname(os.__file__) + os.sep + "contextlib")
 
 
-_skipped: dict = {}  # code object -> whether its frames are tdmesh's or torch's (not the user's)
+_skipped: dict = {}  # code object -> whether its frames are tdmesh's or torch's (not the user's), or _ENGINE
+_ENGINE = 2  # a frame of torch's function that runs the autograd engine: see backward_sites
+
+# The backward calls in flight, as (thread ident, site of the call): pushed and popped by the
+# active mesh around ``Tensor.backward``, ``torch.autograd.backward`` and ``grad`` (see
+# tdmesh.engine.activation).  The ops autograd's engine runs for such a call have that call's site:
+# on the calling thread (CPU tensors) their first frame outside tdmesh is the engine's, and
+# the rest of the walk would find the same user frames for each of a backward's ~100s of ops;
+# on the engine's device thread (CUDA tensors) there is no user frame to find at all.
+backward_sites: list = []
+in_backward: Callable[[], bool] = lambda: False  # whether autograd's engine is running on this thread
 
 
-def _skip(code) -> bool:
+def note_engine_code(code) -> None:
+    """``code`` is torch's function that runs the autograd engine (registered by the engine layer)."""
+    _skipped[code] = _ENGINE
+
+
+def _skip(code) -> bool | int:
     skip = _skipped.get(code)
     if skip is None:
         if len(_skipped) > 50_000:  # generated code (exec in a loop) must not grow it for ever
+            engine = [c for c, kind in _skipped.items() if kind == _ENGINE]
             _skipped.clear()
+            _skipped.update(dict.fromkeys(engine, _ENGINE))
         skip = _skipped[code] = code.co_filename.startswith(_SKIP)
     return skip
+
+
+def _backward_site(thread: int | None) -> list | None:
+    """The site of the innermost backward call in flight on ``thread``; with ``thread`` None (autograd's
+    device thread, which runs the ops of a call made on another thread), of the one thread's that has
+    backward calls in flight, or None when several threads have (which call an op belongs to is unknown)."""
+    sites = backward_sites
+    if thread is None:
+        if len(sites) == 1:
+            return sites[0][1]
+        return sites[-1][1] if len({t for t, _ in sites}) == 1 else None
+    for t, site in reversed(sites):
+        if t == thread:
+            return site
+    return None
 
 
 def call_site(skip: int = 0) -> list:
@@ -151,7 +183,13 @@ def call_site(skip: int = 0) -> list:
             tdmesh_or_torch = _skip(frame.f_code)
         if not tdmesh_or_torch:
             break
+        if tdmesh_or_torch == _ENGINE and backward_sites:  # an op autograd's engine runs on this thread
+            found = _backward_site(threading.get_ident())
+            if found is not None:
+                return found
         frame = frame.f_back
+    if frame is None and backward_sites and in_backward():  # autograd's device thread
+        return _backward_site(None) or []
     site: list = []
     while frame is not None and len(site) < 6:
         site.append((frame.f_code, frame.f_lasti))

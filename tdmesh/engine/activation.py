@@ -20,7 +20,8 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext, _device_constructors
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 
-from ..errors import UsageError, user_line
+from .. import errors
+from ..errors import UsageError, backward_sites, call_site, note_engine_code, user_line
 from .autograd_context import note_context
 from .context import active_mesh, active_mesh_or_none
 from .dispatch import MESH_MODE, ship_local
@@ -142,8 +143,28 @@ def _split_by_remote_indices(func, args, kwargs):
     return NotImplemented
 
 
+def _with_backward_site(func, args, kwargs):
+    """A backward call: its ops (run by autograd's engine, on this thread or its device thread)
+    have this call's site (see ``tdmesh.errors.backward_sites``)."""
+    entry = (threading.get_ident(), call_site())
+    backward_sites.append(entry)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        for i in range(len(backward_sites) - 1, -1, -1):
+            if backward_sites[i] is entry:
+                del backward_sites[i]
+                break
+
+
 _SPECIAL = {torch.tensor: _ship, torch.as_tensor: _ship, torch.asarray: _ship,
-            torch.tensor_split: _split_by_remote_indices, torch.Tensor.tensor_split: _split_by_remote_indices}
+            torch.tensor_split: _split_by_remote_indices, torch.Tensor.tensor_split: _split_by_remote_indices,
+            torch.Tensor.backward: _with_backward_site, torch.autograd.backward: _with_backward_site,
+            torch.autograd.grad: _with_backward_site}
+_engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
+if _engine is not None:  # torch's one Python function that runs the engine (2.11 and 2.13 have it)
+    note_engine_code(_engine.__code__)
+errors.in_backward = lambda: torch._C._current_graph_task_id() != -1
 
 
 def default_device() -> torch.device:

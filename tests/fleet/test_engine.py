@@ -286,6 +286,45 @@ def test_client_side_errors_raise_at_the_users_line(mesh2x2):
         assert remote_t.sum().item() == 2.0 and bool(remote_t.sum() > 1)
 
 
+
+def test_the_ops_backward_runs_name_the_backward_call_and_a_hooks_ops_name_the_hook(mesh1):
+    """Every op autograd's engine runs for ``loss.backward()`` or ``torch.autograd.grad`` is recorded at
+    that call's line (the site errors name); ops a hook issues inside backward, at the hook's line."""
+    from tdmesh.errors import backward_sites, site_text
+    client = mesh1.client
+    sites: list = []
+    add = client.history.add
+
+    def record(seq, uses, defs, site, future=None):
+        sites.append(site_text(site))
+        return add(seq, uses, defs, site, future)
+
+    hook_line = this_line() + 3
+
+    def hook(p):
+        p.grad.mul_(2)
+    with mesh1.activate():
+        w = torch.ones(3, requires_grad=True)
+        w.register_post_accumulate_grad_hook(hook)
+        loss = (w * 2).sin().sum() * w.cos().sum()
+        client.history.add = record
+        try:
+            backward_line = this_line(); loss.backward(retain_graph=True)  # noqa: E702
+            after_backward = list(sites)
+            del sites[:]
+            grad_line = this_line(); (g,) = torch.autograd.grad(loss, [w])  # noqa: E702
+        finally:
+            del client.history.add
+        got = inspect((w.grad, g))
+    here = os.path.basename(__file__)
+    assert len(after_backward) > 10 and sites and not backward_sites
+    assert {f"line {backward_line}" in s or f"line {hook_line}" in s for s in after_backward} == {True}
+    assert sum(f"line {hook_line}" in s for s in after_backward) == 1 and all(here in s for s in after_backward)
+    assert all(f"line {grad_line}" in s and here in s for s in sites)
+    local = torch.ones(3, requires_grad=True)
+    (expected,) = torch.autograd.grad((local * 2).sin().sum() * local.cos().sum(), [local])
+    assert torch.allclose(got[1], expected) and torch.allclose(got[0], 2 * expected)
+
 def test_dropped_tensor_names_where_it_was_dropped(mesh2x2):
     with mesh2x2.activate():
         x = torch.ones(4)
