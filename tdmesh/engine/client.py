@@ -154,7 +154,7 @@ class Client:
                 self._ops_since_probe += 1
                 if self._ops_since_probe >= self._probe_every:
                     self._queue_probe(seq)  # after the op itself: the probe must not overtake it
-            if coalescing.depth():
+            if coalescing._depth:  # coalescing.depth(), without the call: once per op
                 coalescing.clients().add(self)
                 if outbox.bytes > _COALESCED_BATCH_BYTES:  # a long block streams: the workers start on it
                     self.flush()
