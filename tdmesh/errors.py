@@ -158,7 +158,10 @@ def _skip(code) -> bool | int:
 def _backward_site(thread: int | None) -> list | None:
     """The site of the innermost backward call in flight on ``thread``; with ``thread`` None (autograd's
     device thread, which runs the ops of a call made on another thread), of the one thread's that has
-    backward calls in flight, or None when several threads have (which call an op belongs to is unknown)."""
+    backward calls in flight, or None when several threads have (which call an op belongs to is unknown).
+    A backward begun with no mesh active registers nothing: beside one that did, on another thread, its
+    device-thread ops would be given that one's site (two threads in backward at once, one of them outside
+    every mesh on mesh tensors)."""
     sites = backward_sites
     if thread is None:
         if len(sites) == 1:
