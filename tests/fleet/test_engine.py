@@ -290,15 +290,9 @@ def test_client_side_errors_raise_at_the_users_line(mesh2x2):
 def test_the_ops_backward_runs_name_the_backward_call_and_a_hooks_ops_name_the_hook(mesh1):
     """Every op autograd's engine runs for ``loss.backward()`` or ``torch.autograd.grad`` is recorded at
     that call's line (the site errors name); ops a hook issues inside backward, at the hook's line."""
-    from tdmesh.errors import backward_sites, site_text
-    client = mesh1.client
-    sites: list = []
-    add = client.history.add
+    from _sites import recorded_sites
 
-    def record(seq, uses, defs, site, future=None):
-        sites.append(site_text(site))
-        return add(seq, uses, defs, site, future)
-
+    from tdmesh.errors import backward_sites
     hook_line = this_line() + 3
 
     def hook(p):
@@ -307,14 +301,11 @@ def test_the_ops_backward_runs_name_the_backward_call_and_a_hooks_ops_name_the_h
         w = torch.ones(3, requires_grad=True)
         w.register_post_accumulate_grad_hook(hook)
         loss = (w * 2).sin().sum() * w.cos().sum()
-        client.history.add = record
-        try:
+        with recorded_sites(mesh1.client) as sites:
             backward_line = this_line(); loss.backward(retain_graph=True)  # noqa: E702
             after_backward = list(sites)
             del sites[:]
             grad_line = this_line(); (g,) = torch.autograd.grad(loss, [w])  # noqa: E702
-        finally:
-            del client.history.add
         got = inspect((w.grad, g))
     here = os.path.basename(__file__)
     assert len(after_backward) > 10 and sites and not backward_sites

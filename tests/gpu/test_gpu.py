@@ -291,23 +291,13 @@ def test_the_ops_autograds_device_thread_runs_name_the_backward_call(gpu_mesh):
     found: they are recorded at the line of the backward call that started them (they had no site)."""
     import inspect as pyinspect
 
-    from tdmesh.errors import site_text
-    client = gpu_mesh.client
-    sites: list = []
-    add = client.history.add
-
-    def record(seq, uses, defs, site, future=None):
-        sites.append(site_text(site))
-        return add(seq, uses, defs, site, future)
+    from _sites import recorded_sites
     with gpu_mesh.activate():
         w = torch.ones(3, requires_grad=True)
         loss = (w * 2).sin().sum()
-        client.history.add = record
-        try:
+        with recorded_sites(gpu_mesh.client) as sites:
             line = pyinspect.currentframe().f_lineno + 1
             loss.backward()
-        finally:
-            del client.history.add
         got = tdmesh.fetch_shard(w.grad).result()
     assert len(sites) >= 3 and all(f"line {line}" in s and os.path.basename(__file__) in s for s in sites), sites
     assert torch.allclose(got.cpu(), 2 * torch.cos(torch.full((3,), 2.0)))
