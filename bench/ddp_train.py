@@ -1,8 +1,9 @@
 """The DDP baseline of bench/train_step.py: the same model and batches under torchrun + DDP.
 
     torchrun --standalone --nproc_per_node 2 bench/ddp_train.py --steps 20 --size tiny --dtype fp32
-Rank 0 prints ``DDP_STEP_SECONDS <median seconds per step> LOSS <final loss>``, then
-``PLAIN_OPS_PER_STEP <n>``: the aten ops one plain local step (the model without DDP, same
+Rank 0 prints ``DDP_STEP_SECONDS <median seconds per step> LOSS <final loss>``,
+``DDP_MEAN_STEP_SECONDS <mean>`` (the statistic tdmesh's eager step is timed with: a slow step
+counts), then ``PLAIN_OPS_PER_STEP <n>``: the aten ops one plain local step (the model without DDP, same
 optimizer) dispatches, counted by bench.helpers.OpCounter.  ``--reduce-overhead`` (CUDA) also
 trains a fresh copy as DDP under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs, the
 fastest way people train small models with torchrun) and prints ``DDP_RO_STEP_SECONDS <median>
@@ -72,6 +73,7 @@ def main() -> None:
             print(f"DDP_KERNELS_PER_STEP {count_kernels(path)}", flush=True)
     if rank == 0:
         print(f"DDP_STEP_SECONDS {statistics.median(times):.6f} LOSS {final_loss:.4f}", flush=True)
+        print(f"DDP_MEAN_STEP_SECONDS {statistics.fmean(times):.6f}", flush=True)
         with OpCounter() as counted:  # one plain step: no DDP hooks, no collectives
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
                 plain_loss = model(x, y)
