@@ -13,7 +13,8 @@ timed as the average over ``--steps`` steps ending in one fetch (so the workers'
 included; the batches are made before the timer starts, as DDP's are), eagerly (every op
 dispatched from this process) and as a ``tdmesh.compile``d step
 compiled from step 0 on a fresh model (one message per step once it records; its first three
-steps, which trace and compile, are timed apart); DDP's as the median step (synchronised).
+steps, which trace and compile, are timed apart); DDP's as the median step (synchronised), and
+its mean beside it (the statistic of tdmesh's steps; ``--paired`` compares means).
 Every variant trains the same steps from the same weights, so their final losses compare.  Gradients
 are averaged with one bucketed ``tdmesh.reduce_`` per step, as DDP buckets them.
 ``--dtype bf16`` runs both forwards under ``torch.autocast(..., dtype=torch.bfloat16)``.
