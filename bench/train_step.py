@@ -66,8 +66,8 @@ def main(argv=None) -> None:
         env["TDMESH_DEVICE"] = os.environ["TDMESH_DEVICE"] = "cpu"
 
     def run_ddp(first: bool):
-        """The DDP baseline under torchrun: (its median step in seconds, its stdout, its DDP_STEP_SECONDS line,
-        its mean step); the first run also times DDP + torch.compile on CUDA."""
+        """The DDP baseline under torchrun: (its median and mean step in seconds, its stdout, its
+        DDP_STEP_SECONDS line); the first run also times DDP + torch.compile on CUDA."""
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                               str(args.workers), os.path.join(ROOT, "bench", "ddp_train.py"), "--steps",
                               str(args.steps), "--size", args.size, "--dtype", args.dtype, "--batch-size",
@@ -79,9 +79,9 @@ def main(argv=None) -> None:
         if line is None:
             sys.exit("the DDP baseline failed:\n" + out.stderr[-3000:])
         mean = next(float(ln.split()[1]) for ln in out.stdout.splitlines() if ln.startswith("DDP_MEAN_STEP_SECONDS"))
-        return float(line.split()[1]), out, line, mean
+        return float(line.split()[1]), mean, out, line
 
-    ddp_s, out, line, ddp_mean_s = run_ddp(first=True)
+    ddp_s, ddp_mean_s, out, line = run_ddp(first=True)
     ro_line = next((ln for ln in out.stdout.splitlines() if ln.startswith("DDP_RO_STEP_SECONDS")), None)
     for ln in out.stdout.splitlines():
         if ln.startswith("DDP_RO_FAILED"):
@@ -147,7 +147,7 @@ def main(argv=None) -> None:
         ours_s, final = timed(step, SETUP_STEPS)
         paired = []  # (DDP s, tdmesh eager s) per round of --paired
         for _ in range(args.paired):
-            paired.append((run_ddp(first=False)[3], timed(step, SETUP_STEPS)[0]))
+            paired.append((run_ddp(first=False)[1], timed(step, SETUP_STEPS)[0]))
         x, y = batch(data, args.batch_size, cfg.block_size, rank, 0)
         first = mesh.client.last_seq
         with OpCounter() as counted:

@@ -108,21 +108,14 @@ def bind_results(env: dict, results: tuple, value) -> None:
         if results[0] is not None:
             env[results[0]] = value
         return
-    if isinstance(value, (tuple, list)) and len(value) == len(results):
-        # a flat tuple or list of tensors (layer_norm's outputs, split, every foreach op): its
-        # leaves are its items, without the pytree walk (2.7 us for 3 items, 12 us for 29)
-        for leaf in value:
-            if not isinstance(leaf, torch.Tensor):
-                break
-        else:
-            for ref, leaf in zip(results, value):
-                if ref is not None:
-                    env[ref] = leaf
-            return
-    leaves = tree_leaves(value)
-    if len(leaves) != len(results):
-        raise TypeError(f"function returned {len(leaves)} values where the client expected "
-                        f"{len(results)}")
+    if isinstance(value, (tuple, list)) and len(value) == len(results) and \
+            all(isinstance(leaf, torch.Tensor) for leaf in value):
+        leaves = value  # a flat tuple or list of tensors (layer_norm, split, foreach ops): no pytree walk
+    else:
+        leaves = tree_leaves(value)
+        if len(leaves) != len(results):
+            raise TypeError(f"function returned {len(leaves)} values where the client expected "
+                            f"{len(results)}")
     for ref, leaf in zip(results, leaves):
         if ref is not None:
             env[ref] = leaf

@@ -86,7 +86,6 @@ def test_an_idle_clients_flusher_sleeps_until_something_is_queued(mesh1):
         assert torch.equal(inspect(x), torch.full((3,), 3.0))
 
 
-
 def test_a_fleet_that_shares_too_few_cores_with_its_client_is_sent_work_every_5_ms(mesh1, mesh2x2):
     """The interval of timed sends follows this host's cores and the workers the Hellos place on it (on
     this suite's 2-core CI machine: 1 worker + the client fit, 4 do not)."""
@@ -94,6 +93,7 @@ def test_a_fleet_that_shares_too_few_cores_with_its_client_is_sent_work_every_5_
     for mesh, workers in ((mesh1, 1), (mesh2x2, 4)):
         assert sum(h.hostname == mesh.client.hellos[0].hostname for h in mesh.client.hellos.values()) == workers
         assert mesh.client.flush_interval == (0.005 if workers + 1 > cores else 0.002)
+
 
 def test_torch_tensor_ships_data(mesh2x2):
     with mesh2x2.activate():
@@ -286,7 +286,6 @@ def test_client_side_errors_raise_at_the_users_line(mesh2x2):
         assert remote_t.sum().item() == 2.0 and bool(remote_t.sum() > 1)
 
 
-
 def test_the_ops_backward_runs_name_the_backward_call_and_a_hooks_ops_name_the_hook(mesh1):
     """Every op autograd's engine runs for ``loss.backward()`` or ``torch.autograd.grad`` is recorded at
     that call's line (the site errors name); ops a hook issues inside backward, at the hook's line."""
@@ -315,6 +314,7 @@ def test_the_ops_backward_runs_name_the_backward_call_and_a_hooks_ops_name_the_h
     local = torch.ones(3, requires_grad=True)
     (expected,) = torch.autograd.grad((local * 2).sin().sum() * local.cos().sum(), [local])
     assert torch.allclose(got[1], expected) and torch.allclose(got[0], 2 * expected)
+
 
 def test_dropped_tensor_names_where_it_was_dropped(mesh2x2):
     with mesh2x2.activate():

@@ -293,7 +293,6 @@ def test_no_result_slots_discards_the_value():
     assert sent == [] and interp.env == {}
 
 
-
 _leaf = st.one_of(st.builds(lambda n: torch.full((1,), float(n)), st.integers(0, 99)), st.none(),
                   st.integers(0, 5), st.builds(lambda n: torch.tensor(n), st.integers(0, 9)))
 _returned = st.recursive(_leaf, lambda inner: st.one_of(
@@ -322,6 +321,7 @@ def test_results_bind_the_leaves_of_what_a_function_returns(value, miscount, dat
         {} if single else {r: leaf for r, leaf in zip(results, leaves) if r is not None})
     assert env.keys() == expected.keys()
     assert all(env[r] is expected[r] for r in expected)
+
 
 # ----------------------------------------------------------------------------- 87-88: Python functions
 def test_python_function_results_are_split_across_refs():
