@@ -37,6 +37,10 @@ VARIABLES = {
     "TDMESH_FLUSH_INTERVAL": ("auto", "seconds between the client's timed sends of the ops it queues while it issues: "
                                       "'auto' is 0.002, or 0.005 where this host runs more worker processes than it "
                                       "has cores besides the client's (there an early send only preempts the client)"),
+    "TDMESH_GC_THRESHOLD": ("5000", "the first threshold of Python's garbage collector while a mesh is live in the "
+                                    "client (never lowered; the client's own is put back when its last mesh exits) "
+                                    "and in workers, which also freeze what they hold when a session starts "
+                                    "(tdmesh/garbage.py says why); 0 leaves the collector alone"),
     "TDMESH_OPS_PER_PROGRESS_REQUEST": ("100", "ControllerParams.ops_per_progress_request: ops between "
                                                "progress probes"),
     "TDMESH_REQUIRE_BROWSER": ("", "tests: 1 makes a missing Chromium fail the dashboard's browser test instead of "

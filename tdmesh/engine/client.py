@@ -22,6 +22,7 @@ import torch
 
 from ..config import ControllerParams, SupervisionParams
 from ..errors import DeviceException, UsageError, call_site, frames, site_text
+from ..garbage import hold_for_client, release_for_client
 from ..protocol import messages as m
 from ..protocol.transport import Connection, encode
 from . import coalescing
@@ -103,6 +104,7 @@ class Client:
             conns[key].send_control(m.RelayConfig(*self.supervision))
         self.send_setup(m.Supervise(self.supervision.heartbeat_interval))
         self.flush()
+        hold_for_client()  # fewer full garbage collections while this mesh is live (tdmesh/garbage.py)
 
     def new_ref(self) -> int:
         """Refs only grow: a ref >= ``next_ref`` now is one made from now on (see recording.py)."""
@@ -384,6 +386,7 @@ class Client:
                 self._reader.join(timeout)
         finally:
             self.closed = True
+            release_for_client()
             self._work_queued.set()  # the flusher sees closed and ends
             for conn in self.conns.values():
                 conn.close()

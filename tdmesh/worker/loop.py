@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..config import cpu_forced, env_float, env_int, env_str
 from ..errors import ProtocolViolation
+from ..garbage import tune_worker
 from ..geometry.fanout import relay_parents, subtree_hosts
 from ..protocol import messages as m
 from ..protocol.handshake import join
@@ -96,6 +97,7 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
         host, port, token = found
         if world_size > 1 and env_str("TDMESH_RELAYS") in ("auto", "1"):
             host, port = _through_relay(store, rank, world_size, (host, port), token)
+        tune_worker()  # what this process holds now lives as long as it does: no full collection scans it
         code, clean, detached = _session(rank, device, (host, port), token)
         if clean:
             dist.destroy_process_group()
@@ -219,6 +221,7 @@ def _serve_attached(rank: int, world_size: int, device: torch.device, store) -> 
             session += 1
             continue
         host, port, token = found
+        tune_worker()  # what this process holds now lives as long as it does: no full collection scans it
         code, clean, detached = _session(rank, device, (host, port), token)
         if not detached:
             if clean:

@@ -95,6 +95,25 @@ def test_a_fleet_that_shares_too_few_cores_with_its_client_is_sent_work_every_5_
         assert mesh.client.flush_interval == (0.005 if workers + 1 > cores else 0.002)
 
 
+def collector_settings():
+    import gc
+    return gc.get_threshold(), gc.get_freeze_count(), gc.isenabled()
+
+
+def test_a_live_mesh_collects_garbage_less_often_and_its_workers_froze_what_they_started_with(mesh2x2):
+    """tdmesh/garbage.py: the client's first threshold is raised while a mesh is live; each worker raised
+    its own and froze the objects it held when its session began (its modules: some hundred thousand)."""
+    import gc
+    assert gc.get_threshold()[0] >= 5000
+    with mesh2x2.activate():
+        for h in range(2):
+            for g in range(2):
+                thresholds, frozen, enabled = tdmesh.call_on_shard_and_fetch(
+                    remote(collector_settings), shard={"host": h, "gpu": g}).result()
+                assert thresholds[0] == 5000 and enabled
+                assert frozen > 10_000
+
+
 def test_torch_tensor_ships_data(mesh2x2):
     with mesh2x2.activate():
         t = torch.tensor([1, 2, 4])

@@ -13,7 +13,8 @@ ROOT = os.path.join(REPO, "tdmesh")
 # The layers, bottom first: a module may import its own layer and the layers below, never one
 # above (function-local imports included).  The public modules are the top-level ones.
 LAYERS = ["base", "geometry", "protocol", "engine", "programs", "fleet", "monitor", "api"]
-BASE = {"tdmesh.errors", "tdmesh.config"}  # everyone's: the error types and the one table of settings
+BASE = {"tdmesh.errors", "tdmesh.config", "tdmesh.garbage"}  # everyone's: the error types, the one table
+# of settings, and how both kinds of process tune Python's garbage collector
 # The workers stand beside the engine, on what crosses the wire: nothing of the client's side.
 WORKER_MAY_IMPORT = {"base", "geometry", "protocol", "worker"}
 MAX_LINES = 400
