@@ -49,8 +49,9 @@ VARIABLES = {
                                          "open (at least 1)"),
     "TDMESH_FAIL_ON_OPERATION_TIMEOUT": ("0", "ControllerParams.fail_on_operation_timeout: 1 makes a stuck op a "
                                               "DeviceException"),
-    "TDMESH_RELAYS": ("auto", "per-host relays: 'auto' (when the job has more than one rank), '1' or '0' (every rank "
-                              "connects to the client itself); attach mode never uses them"),
+    "TDMESH_RELAYS": ("auto", "per-host relays: 'auto' (when the job spans hosts, or its one host has a core for each "
+                              "rank and the client), '1' or '0' (every rank connects to the client itself); attach "
+                              "mode never uses them"),
     "TDMESH_FANOUT": ("32", "most children of the client or of one relay in the relay tree (hosts beyond it connect "
                             "through other hosts' relays)"),
     "TDMESH_RELAY_HOST": ("", "the address other hosts use to reach this host's relay (default: this host's name, or "

@@ -131,13 +131,34 @@ def _park(store, device: torch.device, seed: int) -> str | None:
     return None if scope == SHUTDOWN else scope
 
 
+DIRECT = "direct"  # a host's relay key when its ranks connect to the client themselves
+
+
+def _relay_pays(hosts: int, per_host: int) -> bool:
+    """Whether a host's relay is worth its hop.  Across hosts it is (each frame crosses the network once
+    per host).  On a job of one host it saves the client a send per rank and frame, on a thread of the
+    first worker: where the host's ranks and the client outnumber its cores that thread has no core of
+    its own and its sends and wake-ups cost the workers more than the client saves (tiny GPT eager,
+    2 CPU workers on 2 cores, 7 alternating runs each way: without it the workers' CPU per unit of the
+    client's 6% lower in every pair, the step 3% shorter; bench/README twenty-first session);
+    so there, under 'auto', every rank connects to the client (a 1x15 layout on 16 cores keeps its relay:
+    1.17x the ops/s of direct connections, bench/README fourth session)."""
+    if env_str("TDMESH_RELAYS") == "1" or hosts > 1:
+        return True
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return per_host + 1 <= cores
+
+
 def _through_relay(store, rank: int, world_size: int, client: tuple[str, int], token: str) -> tuple[str, int]:
     """Where this rank connects when hosts relay: its host's relay, which its host's first
-    worker (this process, for local rank 0) starts on a thread; returns the relay's address."""
+    worker (this process, for local rank 0) starts on a thread, or the client itself where that
+    worker found the relay not worth its hop (``_relay_pays``: one process decides for its host)."""
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     host, hosts = rank // per_host, world_size // per_host
     key = f"{job_scope()}/relay/{host}"
-    if rank % per_host == 0:
+    if rank % per_host == 0 and not _relay_pays(hosts, per_host):
+        store.set(key, DIRECT)
+    elif rank % per_host == 0:
         fanout = env_int("TDMESH_FANOUT")
         subtree = subtree_hosts(host, hosts, fanout)
         loopback = client[0] == "127.0.0.1"  # local_mesh: every "host" is this machine
@@ -163,7 +184,8 @@ def _through_relay(store, rank: int, world_size: int, client: tuple[str, int], t
             relay.serve()
 
         threading.Thread(target=run, name="tdmesh-relay", daemon=True).start()
-    return _address(store.get(key).decode())
+    found = store.get(key).decode()
+    return client if found == DIRECT else _address(found)
 
 
 def _address(text: str) -> tuple[str, int]:

@@ -68,8 +68,9 @@ def test_a_multi_host_mesh_talks_to_one_relay_per_host_and_a_frame_never_grows_w
         assert inspect(x, host=0, gpu=0).tolist() == [50.0, 51.0, 52.0, 53.0]
 
 
-def test_a_fetch_bigger_than_a_hello_frame_comes_back_through_a_relay():
+def test_a_fetch_bigger_than_a_hello_frame_comes_back_through_a_relay(env):
     """A relay reads a child's first frame with a small limit; everything after may be large."""
+    env("TDMESH_RELAYS", "1")  # one host: 'auto' would skip the relay where cores are few
     with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh, mesh.activate():
         assert mesh.client.relays
         big = torch.ones(5 * 1024 * 1024) * mesh.rank("gpu")  # 20 MiB of float32 per rank
@@ -83,6 +84,29 @@ def test_relays_off_connects_every_rank_to_the_client(env):
     with tdmesh.local_mesh(hosts=2, gpus_per_host=1) as mesh, mesh.activate():
         assert mesh.client.children == [0, 1] and mesh.client.relays == {}
         assert inspect(torch.ones(2) * (mesh.rank("host") + 1), host=1, gpu=0).tolist() == [2.0, 2.0]
+
+
+def test_one_host_with_fewer_cores_than_its_ranks_and_the_client_skips_its_relay(env, monkeypatch):
+    """'auto' on one host: its first worker decides for the host (tdmesh.worker.loop._relay_pays) and the
+    others follow it to the client.  The workers inherit this process's CPU affinity: one core here."""
+    import contextlib
+    import os
+    cores = os.sched_getaffinity(0)
+    with contextlib.ExitStack() as stack:
+        os.sched_setaffinity(0, {min(cores)})
+        try:
+            mesh = stack.enter_context(tdmesh.local_mesh(hosts=1, gpus_per_host=2, pool=False))
+        finally:
+            os.sched_setaffinity(0, cores)
+        stack.enter_context(mesh.activate())
+        assert mesh.client.relays == {} and mesh.client.children == [0, 1]
+        x = torch.ones(2) * mesh.rank("gpu")
+        assert [inspect(x, host=0, gpu=g).tolist() for g in range(2)] == [[0.0, 0.0], [1.0, 1.0]]
+    from tdmesh.worker.loop import _relay_pays
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert _relay_pays(1, 15) and not _relay_pays(1, 16) and _relay_pays(2, 64)
+    env("TDMESH_RELAYS", "1")
+    assert _relay_pays(1, 16)
 
 
 def test_beyond_the_fanout_relays_form_a_tree(env):
