@@ -7,7 +7,8 @@ counts), then ``PLAIN_OPS_PER_STEP <n>``: the aten ops one plain local step (the
 optimizer) dispatches, counted by bench.helpers.OpCounter.  ``--reduce-overhead`` (CUDA) also
 trains a fresh copy as DDP under ``torch.compile(mode="reduce-overhead")`` (CUDA graphs, the
 fastest way people train small models with torchrun) and prints ``DDP_RO_STEP_SECONDS <median>
-LOSS <final> COMPILE_SECONDS <first 3 steps>`` (or ``DDP_RO_FAILED <why>``).
+LOSS <final> COMPILE_SECONDS <first 3 steps>`` (or ``DDP_RO_FAILED <why>``).  ``--serve HOST:PORT``
+then runs blocks of ``--block`` steps when bench.train_step's ``--interleaved`` asks (``serve``).
 """
 
 import argparse
@@ -36,6 +37,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--reduce-overhead", action="store_true")
     p.add_argument("--clip", action="store_true", help="clip_grad_norm_(..., error_if_nonfinite=True) in every step")
+    p.add_argument("--serve", default="", metavar="HOST:PORT",
+                   help="after the timed steps, run blocks of --block steps when a TCPStore there says go (see serve)")
+    p.add_argument("--block", type=int, default=5)
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not cpu_forced()
     rank = int(os.environ["RANK"])
@@ -81,6 +85,8 @@ def main() -> None:
             plain_loss.backward()
             opt.step()
         print(f"PLAIN_OPS_PER_STEP {counted.ops}", flush=True)
+    if args.serve:
+        serve(args, ddp, opt, data, cfg, device, rank)
     if args.reduce_overhead and cuda:
         try:
             _reduce_overhead(args, cfg, data, device, rank)
@@ -88,6 +94,33 @@ def main() -> None:
             if rank == 0:
                 print(f"DDP_RO_FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
     dist.destroy_process_group()
+
+
+def serve(args, ddp, opt, data, cfg, device: torch.device, rank: int) -> None:
+    """Blocks of ``--block`` steps on demand, for bench.train_step's ``--interleaved``: block ``i`` starts
+    when the store at ``--serve`` holds ``go/i`` (``stop`` ends the loop) and rank 0 answers ``done/i``
+    with its mean step in seconds.  Between blocks every rank waits in the store's socket, using no CPU,
+    while tdmesh runs its block: each pair of blocks shares the host's speed of that moment."""
+    host, port = args.serve.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False)
+    if rank == 0:
+        store.set("ready", "1")
+    block = 0
+    while True:
+        store.wait([f"go/{block}"])
+        if store.get(f"go/{block}") == b"stop":
+            return
+        batches = []
+        for step in range(args.block):
+            g = torch.Generator(device=device)
+            g.manual_seed(1000 * rank + 100_000 + block * args.block + step)
+            batches.append(get_batch(data, args.batch_size, cfg.block_size, g))
+        start = time.perf_counter()
+        for x, y in batches:
+            _step(ddp, opt, x, y, args.dtype, device, args.clip)
+        if rank == 0:
+            store.set(f"done/{block}", f"{(time.perf_counter() - start) / args.block:.9f}")
+        block += 1
 
 
 def _step(ddp, opt, x, y, dtype: str, device: torch.device, clip: bool = False):

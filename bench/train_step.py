@@ -5,6 +5,7 @@
     python -m bench.train_step --device cuda --size gpt2 --dtype bf16 --batch-size 16
     python -m bench.train_step --clip            # every step also reads a value on the host
     python -m bench.train_step --paired 5        # and 5 rounds of DDP then tdmesh eager: the median ratio
+    python -m bench.train_step --interleaved 40  # and 40 pairs of blocks of 20 steps, both fleets up: the median ratio
 
 Same model (tutorials/nanogpt.py), same initial weights, same per-rank batches, same
 optimizer, same number of workers, in one run: the DDP baseline runs under torchrun in a
@@ -57,10 +58,16 @@ def main(argv=None) -> None:
     p.add_argument("--buckets", type=int, default=None,
                    help="buckets of --overlap's reduction (default: DDP's sizes, the first 1 MiB, the others 25 MiB)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of --overlap's alternating measurement")
+    p.add_argument("--interleaved", type=int, default=0, metavar="N",
+                   help="also N pairs of blocks of --block steps, DDP's and tdmesh eager's alternating while both "
+                        "fleets stay up (the one waiting uses no CPU), and the median of each pair's ratio: the "
+                        "host's speed moves within seconds, a pair shares it")
+    p.add_argument("--block", type=int, default=0, help="steps of an --interleaved block (default: --steps)")
     p.add_argument("--paired", type=int, default=0,
                    help="also N rounds of DDP (a torchrun run) then tdmesh eager, one after the other, and the median "
                         "of each round's ratio: the host's speed drifts between runs, a round's two halves share it")
     args = p.parse_args(argv)
+    args.block = args.block or args.steps
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if args.device == "cpu":
         env["TDMESH_DEVICE"] = os.environ["TDMESH_DEVICE"] = "cpu"
@@ -82,6 +89,16 @@ def main(argv=None) -> None:
         return float(line.split()[1]), mean, out, line
 
     ddp_s, ddp_mean_s, out, line = run_ddp(first=True)
+    serving = None
+    if args.interleaved:  # a second DDP job that stays up and runs blocks when asked (bench/ddp_train.py: serve)
+        from torch.distributed import TCPStore
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        serving = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.workers),
+             os.path.join(ROOT, "bench", "ddp_train.py"), "--steps", str(args.steps), "--size", args.size, "--dtype",
+             args.dtype, "--batch-size", str(args.batch_size), "--serve", f"127.0.0.1:{store.port}", "--block",
+             str(args.block)] + (["--clip"] if args.clip else []),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     ro_line = next((ln for ln in out.stdout.splitlines() if ln.startswith("DDP_RO_STEP_SECONDS")), None)
     for ln in out.stdout.splitlines():
         if ln.startswith("DDP_RO_FAILED"):
@@ -106,6 +123,8 @@ def main(argv=None) -> None:
     batch = tdmesh.remote(train["seeded_batch"], propagate=lambda d, b, t, r, s: (
         torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
     with tdmesh.local_mesh(hosts=1, gpus_per_host=args.workers) as mesh, mesh.activate():
+        if serving is not None:
+            store.wait(["ready"])  # its start-up (imports, its own timed steps) is over: nothing else runs now
         data = torch.tensor(tokens)
         rank = mesh.rank(mesh.names)
 
@@ -125,19 +144,19 @@ def main(argv=None) -> None:
         cpu_s: dict = {}  # fn -> (the client's, the workers') CPU seconds per step of its last timed run
         worker_pids = list(mesh.fleet.processes.pids().values()) if mesh.fleet.processes is not None else []
 
-        def timed(fn, first: int) -> tuple[float, float]:
+        def timed(fn, first: int, steps: int = args.steps) -> tuple[float, float]:
             # the batches are made before the timer starts, as DDP's loop makes each batch before its timer
-            batches = [batch(data, args.batch_size, cfg.block_size, rank, i) for i in range(first, first + args.steps)]
+            batches = [batch(data, args.batch_size, cfg.block_size, rank, i) for i in range(first, first + steps)]
             tdmesh.fetch_shard(batches[-1][0]).result()
             client_cpu, workers_cpu = time.process_time(), process_cpu_seconds(worker_pids)
             start = time.perf_counter()
             for x, y in batches:
                 loss = fn(x, y)
-            issue_s[fn] = (time.perf_counter() - start) / args.steps  # the client's own time per step
+            issue_s[fn] = (time.perf_counter() - start) / steps  # the client's own time per step
             final = tdmesh.fetch_shard(loss).result()
-            wall = (time.perf_counter() - start) / args.steps
-            cpu_s[fn] = ((time.process_time() - client_cpu) / args.steps,
-                         (process_cpu_seconds(worker_pids) - workers_cpu) / args.steps)
+            wall = (time.perf_counter() - start) / steps
+            cpu_s[fn] = ((time.process_time() - client_cpu) / steps,
+                         (process_cpu_seconds(worker_pids) - workers_cpu) / steps)
             return wall, float(final)
 
         step = fresh()
@@ -145,9 +164,24 @@ def main(argv=None) -> None:
             loss = step(*batch(data, args.batch_size, cfg.block_size, rank, i))
         tdmesh.fetch_shard(loss).result()
         ours_s, final = timed(step, SETUP_STEPS)
+        ours_issue_s = issue_s[step]
         paired = []  # (DDP s, tdmesh eager s) per round of --paired
         for _ in range(args.paired):
             paired.append((run_ddp(first=False)[1], timed(step, SETUP_STEPS)[0]))
+        interleaved = []  # (DDP s, tdmesh eager s) per pair of blocks of --interleaved
+        if serving is not None:
+            for i in range(args.interleaved):
+                for who in (("ddp", "tdmesh") if i % 2 == 0 else ("tdmesh", "ddp")):  # each first in half the pairs
+                    if who == "ddp":
+                        store.set(f"go/{i}", "run")
+                        store.wait([f"done/{i}"])
+                        ddp_block = float(store.get(f"done/{i}"))
+                    else:
+                        ours_block = timed(step, SETUP_STEPS, args.block)[0]
+                interleaved.append((ddp_block, ours_block))
+            store.set(f"go/{args.interleaved}", "stop")
+            if serving.wait(timeout=120) != 0:
+                sys.exit("the serving DDP job failed:\n" + serving.stderr.read()[-3000:])
         x, y = batch(data, args.batch_size, cfg.block_size, rank, 0)
         first = mesh.client.last_seq
         with OpCounter() as counted:
@@ -204,7 +238,7 @@ def main(argv=None) -> None:
               f"{ro[3]} final loss; first 3 steps incl. compile {float(ro[5]):.1f} s)  DDP/this "
               f"{ddp_s / float(ro[1]):.3f}x")
     print(f"  tdmesh         : {ours_s * 1e3:9.2f} ms/step   ({final:.4f} final loss; the client issues a step "
-          f"in {issue_s[step] * 1e3:.2f} ms)")
+          f"in {ours_issue_s * 1e3:.2f} ms)")
     if overlapped:
         print(f"  --overlap, {args.rounds} rounds of {args.steps} steps in turn, median step (and issue) time; "
               f"{steps_of['hooks'].buckets()} bucket(s) ({'DDP sizes' if args.buckets is None else '--buckets'}) "
@@ -228,6 +262,15 @@ def main(argv=None) -> None:
         print(f"  --paired       : {ratios[len(ratios) // 2]:9.3f}x  median DDP/tdmesh of {len(paired)} rounds "
               f"(DDP then tdmesh eager each, mean steps both): "
               + ", ".join(f"{d * 1e3:.2f}/{t * 1e3:.2f} ms = {d / t:.3f}x" for d, t in paired))
+    if interleaved:
+        ratios = sorted(d / t for d, t in interleaved)
+        n = len(ratios)
+        ddp_blocks, ours_blocks = sorted(d for d, _ in interleaved), sorted(t for _, t in interleaved)
+        print(f"  --interleaved  : {ratios[n // 2]:9.3f}x  median DDP/tdmesh of {n} pairs of {args.block}-step blocks "
+              f"(quartiles {ratios[n // 4]:.3f}-{ratios[(3 * n) // 4]:.3f}x; DDP's blocks "
+              f"{ddp_blocks[n // 2] * 1e3:.2f} ms/step median, {ddp_blocks[0] * 1e3:.2f}-{ddp_blocks[-1] * 1e3:.2f}; "
+              f"tdmesh eager's "
+              f"{ours_blocks[n // 2] * 1e3:.2f}, {ours_blocks[0] * 1e3:.2f}-{ours_blocks[-1] * 1e3:.2f})")
     print(f"  ops per step   : {counted.ops} issued by tdmesh, {plain_ops} in a plain local step "
           f"({counted.ops / plain_ops:.2f}x); {messages} messages per tdmesh step")
     if kernels is not None:
