@@ -42,7 +42,9 @@ first step.  Per step, and per message the real step sends:
                    any design must return
 
 The step's target (issue 29) is a client cost per op; ``given proxies`` is the part of it no
-change to tdmesh's own work can remove.
+change to tdmesh's own work can remove.  A last line times the step without its backward (the
+forward, which autograd records, and the optimizer on the gradients the last step left): what the
+client would still issue if backward ran on the workers, one message for all of it.
 
 Both tables time their rows in rounds (``--repeats`` after one that warms up), every row in
 turn, each row its best round: the H200 host's speed drifts within a run, by up to 2x.
@@ -120,12 +122,18 @@ def main(argv=None) -> int:
                   [[name, f"{s / n * 1e6:.2f}", f"{(s - floor) / n * 1e6:+.2f} us"] for name, s in rows])
     if steps is not None:
         rows, messages = steps
+        without_s, without_messages = dict(rows).pop(NO_BACKWARD)
+        rows = [(name, s) for name, s in rows if name != NO_BACKWARD]
         print(f"\n{args.size} GPT training step ({args.dtype}, batch {args.batch_size}), {args.steps} steps a run, "
               f"best of {args.repeats}; {messages} messages a step")
         floor = rows[-1][1]
         h.print_table(["step", "ms per step", "us per message", "over given proxies"],
                       [[name, f"{s / args.steps * 1e3:.2f}", f"{s / args.steps / messages * 1e6:.2f}",
                         f"{(s - floor) / args.steps / messages * 1e6:+.2f} us"] for name, s in rows])
+        full = dict(rows)["tdmesh"]
+        print(f"without its backward (the forward, recorded by autograd, and the optimizer): "
+              f"{without_s / args.steps * 1e3:.2f} ms a step, {without_messages} messages, {without_s / full:.2f}x "
+              f"the whole step's client time: what the client would keep if the workers ran backward")
     return 0
 
 
@@ -238,8 +246,12 @@ def _add_rows(mesh, n: int, repeats: int) -> dict:
     return interleaved(variants, repeats, after)
 
 
+NO_BACKWARD = "tdmesh, no backward"
+
+
 def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
-    """The training-step table's rows: [(name, seconds for ``n`` steps)] and messages a step."""
+    """The training-step table's rows: [(name, seconds for ``n`` steps)] and messages a step; the
+    ``NO_BACKWARD`` row's value is (seconds, messages a step)."""
     import torch
     from torch.utils._pytree import tree_unflatten
 
@@ -267,6 +279,19 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
     def run():
         for _ in range(n):
             loss = step()
+        return loss
+
+    # a second model for the step without its backward (the forward, which autograd records, and the
+    # optimizer on the gradients of its one full step): the floor rows leave their own proxies as gradients
+    other = GPT(cfg)
+    other_optimizer = h.train_optimizer(other.parameters(), mesh.device_type == "cuda")
+    h.data_parallel_step(other, other_optimizer, mesh, bf16)(x, y)
+
+    def without_backward():
+        for _ in range(n):
+            with torch.autocast(mesh.device_type, dtype=torch.bfloat16, enabled=bf16):
+                loss = other(x, y)
+            other_optimizer.step()
         return loss
 
     client = mesh.client
@@ -346,7 +371,8 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
     reduce_ = tdmesh.reduce_
     handler, tensor_handler = dispatch_module._MeshMode.__torch_dispatch__, Tensor.dispatch
     variants = {"tdmesh": as_tdmesh(True), "tdmesh, no site": as_tdmesh(False),
-                "plan proxies": as_floor(by_key, run), "given proxies": as_floor(by_order, ordered)}
+                "plan proxies": as_floor(by_key, run), "given proxies": as_floor(by_order, ordered),
+                NO_BACKWARD: (lambda: None, lambda: None, without_backward)}
     per_step: list = []
 
     def after(name: str, round_: int, loss) -> None:
@@ -357,7 +383,11 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
         tdmesh.fetch_shard(loss if name.startswith("tdmesh") else a_parameter).result()
 
     a_parameter = next(model.parameters())
+    first = client.last_seq
+    tdmesh.fetch_shard(without_backward().detach()).result()
+    messages_without = round((client.last_seq - first - 1) / n)
     best = interleaved(variants, repeats, after)
+    best[NO_BACKWARD] = (best[NO_BACKWARD], messages_without)
     if unplanned:
         print(f"note: {len(unplanned)} ops without a plan in the floor rows (run as tdmesh runs them): "
               f"{sorted(set(map(str, unplanned)))[:5]}")
