@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import socket
@@ -249,6 +250,7 @@ def _serve_attached(rank: int, world_size: int, device: torch.device, store) -> 
             if clean:
                 dist.destroy_process_group()
             return code, clean
+        gc.collect()  # the detached session's cycles, before the next session's tune_worker freezes what is left
         session += 1
 
 
