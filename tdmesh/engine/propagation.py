@@ -86,14 +86,16 @@ def schema_arg(func, args: tuple, kwargs: dict, position: int):
 
 def meta_tensor(meta: TensorMeta | SparseMeta) -> torch.Tensor:
     """An empty meta tensor with exactly this size, stride and storage offset (or this
-    sparse structure)."""
-    if isinstance(meta, SparseMeta):
-        with no_dispatch():  # a sparse proxy is made outside dispatch too: these stay local
+    sparse structure), made here whatever mesh is active: a remote call's propagation makes its
+    stand-ins at the user's level, where the active mesh's modes would otherwise send these
+    factories to the workers (twice a tensor: ``empty``, ``as_strided``) and hand back proxies."""
+    with no_dispatch(), torch._C.DisableTorchFunction():
+        if isinstance(meta, SparseMeta):
             return _sparse_meta_tensor(meta)
-    size, stride, offset, dtype = meta
-    extent = offset + (1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0)
-    base = torch.empty((extent,), dtype=dtype, device=_META)
-    return base.as_strided(size, stride, offset)
+        size, stride, offset, dtype = meta
+        extent = offset + (1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0)
+        base = torch.empty((extent,), dtype=dtype, device=_META)
+        return base.as_strided(size, stride, offset)
 
 
 def tensor_meta(t: torch.Tensor) -> TensorMeta | SparseMeta:

@@ -91,6 +91,23 @@ def test_cached_propagation_counts_hits_and_misses(mesh2x2):
         assert torch.equal(g, e)
 
 
+def test_a_remote_call_is_one_message_whatever_its_propagation(mesh2x2):
+    """The stand-ins a propagation runs on are local meta tensors: none of their factories reaches the
+    workers (they did, two ops a tensor, before: a call with 30 tensors sent 89 ops besides itself)."""
+    by_callable = remote(scale, propagate=lambda a, x: torch.empty_like(x))
+    cached = remote(scale)
+    with mesh2x2.activate():
+        xs = [torch.ones(3) * i for i in range(5)]
+        client = mesh2x2.client
+        cached(3.0, xs[0])  # the cache's miss: its one real run on the first rank, fetched
+        for fn in (by_callable, cached):
+            first = client.last_seq
+            out = fn(3.0, xs[1])
+            assert client.last_seq - first == 1
+            assert inspect(out).tolist() == [3.0, 3.0, 3.0]
+            assert type(out._meta) is type(xs[1]._meta) and out.shape == (3,)
+
+
 def test_cached_outputs_alias_inputs_only_where_the_function_did(mesh2x2):
     fn = remote(tail)
     with mesh2x2.activate():
