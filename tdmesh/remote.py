@@ -174,7 +174,8 @@ def _propagate_cached(fn: Remote, args, kwargs, flat, mesh):
             return (type(x), x)
         return x
 
-    key_leaves = tuple(key_of(x) for x in flat)
+    with torch._C.DisableTorchFunction():  # requires_grad read directly, not through the mesh's mode
+        key_leaves = tuple(key_of(x) for x in flat)
     try:
         key = (tree_flatten((args, kwargs))[1], key_leaves)
         hit = fn._cache.get(key)
@@ -208,7 +209,7 @@ def _propagate_with(propagate: Callable, args, kwargs):
 
     def to_meta(x):
         if type(x) is Tensor:
-            meta = meta_tensor(tensor_meta(x))
+            meta = meta_tensor(x._meta)  # the proxy's own metadata: nothing read through torch
             originals[id(meta)] = x
             return meta
         return x
