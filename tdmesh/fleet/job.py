@@ -217,7 +217,8 @@ def accept_workers(store, world_size: int, *, host: str, bind: str, scope: str |
         gate.close()
         raise
     gate.refuse_newcomers()
-    return conns, hellos, gate, relays
+    # in rank order, however the connections arrived (ranks that connect themselves race each other)
+    return conns, dict(sorted(hellos.items())), gate, relays
 
 
 class SerialProcesses:

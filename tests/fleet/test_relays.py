@@ -100,6 +100,7 @@ def test_one_host_with_fewer_cores_than_its_ranks_and_the_client_skips_its_relay
             os.sched_setaffinity(0, cores)
         stack.enter_context(mesh.activate())
         assert mesh.client.relays == {} and mesh.client.children == [0, 1]
+        assert list(mesh.client.hellos) == [0, 1]  # in rank order, whichever rank connected first
         x = torch.ones(2) * mesh.rank("gpu")
         assert [inspect(x, host=0, gpu=g).tolist() for g in range(2)] == [[0.0, 0.0], [1.0, 1.0]]
     from tdmesh.worker.loop import _relay_pays
