@@ -65,7 +65,9 @@ def main() -> None:
             times.append(time.perf_counter() - start)
     final_loss = loss.item()  # the steps the tdmesh run also takes (the profiled step below is one more)
     # before the plain step below: calling the wrapped model directly fires DDP's gradient hooks
-    if cuda:  # kernels of one DDP step (forward, backward with its all-reduces, optimizer), every rank in it
+    # kernels of one DDP step (forward, backward with its all-reduces, optimizer), every rank in it; not in a
+    # serving job, whose blocks would run with the profiler's CUDA callbacks still attached to the process
+    if cuda and not args.serve:
         import tempfile
 
         from torch.profiler import ProfilerActivity, profile
