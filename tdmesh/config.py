@@ -121,6 +121,12 @@ def env_float(name: str) -> float:
     return float(env_str(name))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity where the platform has one): what the client's
+    flush interval and a host's relay decision weigh the processes of a host against."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_forced() -> bool:
     """``TDMESH_DEVICE=cpu``: CPU workers even where CUDA is present."""
     return env_str("TDMESH_DEVICE") == "cpu"

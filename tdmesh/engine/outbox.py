@@ -12,12 +12,11 @@ sent from where they lie, as the bulk of a bulk frame (:mod:`tdmesh.protocol.tra
 
 from __future__ import annotations
 
-import os
 import pickle
 import socket
 import zlib
 
-from ..config import env_str
+from ..config import env_str, usable_cores
 from ..geometry.fanout import rank_set
 from ..protocol.bulk import BulkFrame, big_buffers_into, bulk_parts
 from ..protocol.transport import ALL_RANKS, DEFINE_SET, ENTRY, buffers_entry
@@ -41,8 +40,7 @@ def flush_interval(hellos: dict) -> float:
         return float(text)
     here = socket.gethostname()
     local = sum(1 for hello in hellos.values() if hello.hostname == here)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return SHARED_CORES_FLUSH_INTERVAL if local + 1 > cores else FLUSH_INTERVAL
+    return SHARED_CORES_FLUSH_INTERVAL if local + 1 > usable_cores() else FLUSH_INTERVAL
 
 _pack = ENTRY.pack
 _IDENTITY_CACHE = 4096

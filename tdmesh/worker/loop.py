@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import cpu_forced, env_float, env_int, env_str
+from ..config import cpu_forced, env_float, env_int, env_str, usable_cores
 from ..errors import ProtocolViolation
 from ..garbage import tune_worker
 from ..geometry.fanout import relay_parents, subtree_hosts
@@ -146,8 +146,7 @@ def _relay_pays(hosts: int, per_host: int) -> bool:
     1.17x the ops/s of direct connections, bench/README fourth session)."""
     if env_str("TDMESH_RELAYS") == "1" or hosts > 1:
         return True
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return per_host + 1 <= cores
+    return per_host + 1 <= usable_cores()
 
 
 def _through_relay(store, rank: int, world_size: int, client: tuple[str, int], token: str) -> tuple[str, int]:
