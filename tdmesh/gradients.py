@@ -271,6 +271,8 @@ def _in_context(t: torch.Tensor, fn: Callable) -> torch.Tensor:
 def _enter(node, grads: list, contexts: ExitStack, current: list) -> None:
     """Make the mesh and stream of ``node``'s forward active (where they are not already)."""
     context = forward_context(node._sequence_nr())
+    if context is not None:
+        context = context[:2]
     if context is None:  # older than the ranges kept: where its gradients are
         first = next((g for g in grads if isinstance(g, Tensor)), None)
         context = (first._mesh, first._stream) if first is not None else current[0]

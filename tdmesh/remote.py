@@ -145,8 +145,10 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict, mesh=None):
                for leaf, source in out_leaves]
     sealed = sealed_args(args, kwargs)
 
+    grad = torch.is_grad_enabled()  # the function runs in the caller's grad mode
+
     def build(seq, results, mutated_refs):
-        return m.CallFunction(seq, results, mutated_refs, fn._target, sealed, {}, stream.id, groups)
+        return m.CallFunction(seq, results, mutated_refs, fn._target, sealed, {}, stream.id, groups, grad)
 
     proxies = issue(mesh, build, inputs=remote_args, outputs=outputs, mutated=mutated, device=mesh.client.device,
                     stream=stream, uses=objects)

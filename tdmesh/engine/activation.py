@@ -22,7 +22,9 @@ from torch.utils._python_dispatch import _pop_mode, _push_mode
 
 from .. import errors
 from ..errors import UsageError, backward_sites, call_site, note_engine_code, user_line
+from . import saved
 from .autograd_context import note_context
+from .backward import backward
 from .context import active_mesh, active_mesh_or_none
 from .dispatch import MESH_MODE, ship_local
 from .tensor import Tensor
@@ -57,6 +59,7 @@ class Activation:
         if self._device_ctx is not None:
             self._device_ctx.__enter__()
         _enter_mode()
+        self._hooks = mesh is not None and saved.push_hooks()  # what the client's graphs save (engine/saved.py)
         self._active = True
         note_context()
 
@@ -70,6 +73,8 @@ class Activation:
         if not self._active:
             return
         self._active = False
+        if self._hooks:
+            saved.pop_hooks()
         _exit_mode()
         if self._device_ctx is not None:
             self._device_ctx.__exit__(None, None, None)
@@ -113,6 +118,10 @@ class MeshFunctions(DeviceContext):
                 return out
         if func in _device_constructors() and kwargs.get("device") is None:
             kwargs["device"] = self.device
+        if kwargs.get("requires_grad"):  # a factory's leaf: made, then requires_grad_ (mirrored on the workers)
+            kwargs = {k: v for k, v in kwargs.items() if k != "requires_grad"}
+            out = func(*args, **kwargs)
+            return out.requires_grad_() if type(out) is Tensor else out
         return func(*args, **kwargs)
 
 
@@ -157,10 +166,15 @@ def _with_backward_site(func, args, kwargs):
                 break
 
 
+def _backward(func, args, kwargs):
+    """A backward call: one message where the workers can run it (``tdmesh.engine.backward``)."""
+    return backward(_with_backward_site, func, args, kwargs)
+
+
 _SPECIAL = {torch.tensor: _ship, torch.as_tensor: _ship, torch.asarray: _ship,
             torch.tensor_split: _split_by_remote_indices, torch.Tensor.tensor_split: _split_by_remote_indices,
-            torch.Tensor.backward: _with_backward_site, torch.autograd.backward: _with_backward_site,
-            torch.autograd.grad: _with_backward_site}
+            torch.Tensor.backward: _backward, torch.autograd.backward: _backward,
+            torch.autograd.grad: _backward}
 _engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
 if _engine is not None:  # torch's one Python function that runs the engine (2.11 and 2.13 have it)
     note_engine_code(_engine.__code__)

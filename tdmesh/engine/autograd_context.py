@@ -4,7 +4,8 @@
 ran on (a pipeline's stages, a side stream's ops).  Autograd numbers its nodes in the order
 the forward makes them (per thread: ``sequence_nr``), so the context of a node is that of the
 range of numbers it falls in: every activation or deactivation of a mesh or a stream notes
-the number where the new context begins.  That is one list entry per context switch that had
+the number where the new context begins (so do the start and end of a compiled
+function's trace).  That is one list entry per context switch that had
 nodes made under it (switches with no node in between overwrite each other), nothing per op.
 The lists keep the newest ``MAX_RANGES`` ranges; an older node's context is not known, and
 the generator takes it from the gradients the node receives instead.
@@ -21,7 +22,7 @@ from . import stream as _stream
 from .context import active_mesh
 from .stream import DEFAULT_STREAM, get_active_stream
 
-__all__ = ["note_context", "forward_context"]
+__all__ = ["note_context", "forward_context", "set_sink"]
 
 MAX_RANGES = 1 << 16
 
@@ -29,7 +30,7 @@ MAX_RANGES = 1 << 16
 class _Ranges(threading.local):
     def __init__(self) -> None:
         self.starts: list[int] = [0]  # the first sequence_nr of each range...
-        self.contexts: list[tuple] = [(None, DEFAULT_STREAM)]  # ...and its (mesh, stream)
+        self.contexts: list[tuple] = [(None, DEFAULT_STREAM, True)]  # ...and its (mesh, stream, not traced)
 
 
 _ranges = _Ranges()
@@ -38,7 +39,9 @@ _ranges = _Ranges()
 def note_context() -> None:
     """The context in effect from now on (called after each mesh or stream activation change)."""
     now = _get_sequence_nr()
-    context = (active_mesh.get(), get_active_stream())
+    mesh = active_mesh.get()
+    client = getattr(mesh, "client", None)
+    context = (mesh, get_active_stream(), client is None or client.sink is client)
     r = _ranges
     if r.starts[-1] == now:  # no node made since the last change: that context never held one
         r.contexts[-1] = context
@@ -54,8 +57,9 @@ def note_context() -> None:
 
 
 def forward_context(sequence_nr: int) -> tuple | None:
-    """``(mesh or None, stream)`` active when node ``sequence_nr`` was made on this thread; None
-    when that is older than the ranges kept."""
+    """``(mesh or None, stream, issued)`` active when node ``sequence_nr`` was made on this thread
+    (``issued``: not while a compiled function was traced, whose ops workers do not record
+    autograd for); None when that is older than the ranges kept."""
     r = _ranges
     i = bisect.bisect_right(r.starts, sequence_nr) - 1
     if i < 0:
@@ -64,3 +68,10 @@ def forward_context(sequence_nr: int) -> tuple | None:
 
 
 _stream.on_change.append(note_context)
+
+
+def set_sink(client, sink) -> None:
+    """Send ``client``'s issued ops to ``sink`` (a compiled function's recorder while it traces, or
+    the client): noted, as autograd nodes made while tracing have no copy on the workers."""
+    client.sink = sink
+    note_context()

@@ -72,7 +72,8 @@ class Client:
         self.flush_interval = flush_interval(hellos)  # seconds between timed sends while a thread issues
         self._deletes: dict[object, tuple] = {}   # mesh -> (mesh, [refs]): DeviceMesh hashes by identity
         self._groups: dict = {}                   # CreateGroups key -> id, for keys already sent
-        self.op_numbers: dict = {}                # OpPlan -> this client's number for it (DefineOp sent)
+        self.op_numbers: dict = {}                # OpPlan -> its number in grad mode (DefineOp sent)...
+        self.op_numbers_no_grad: dict = {}        # ...and outside it
         self.sink = self                          # where issued ops go: a Recorder while tracing,
         self.delete_holder = None                 # which holds frees until its outcome is queued
         self.history = History(self.children)
@@ -216,11 +217,12 @@ class Client:
                     self.send_setup(m.CreateGroups(kind, stream, mesh, dims, ref, to_stream, found))
         return found
 
-    def define_op(self, plan) -> int:
-        """Number an op plan and define it on every rank (before any CallOp names it)."""
+    def define_op(self, plan, grad: bool = True) -> int:
+        """Number an op plan and define it on every rank (before any CallOp names it), in grad mode ``grad``."""
         with self.lock:
-            number = self.op_numbers[plan] = len(self.op_numbers) + 1
-            self.send_setup(m.DefineOp(number, plan.path, plan.args, plan.kwargs))
+            number = len(self.op_numbers) + len(self.op_numbers_no_grad) + 1
+            (self.op_numbers if grad else self.op_numbers_no_grad)[plan] = number
+            self.send_setup(m.DefineOp(number, plan.path, plan.args, plan.kwargs, grad))
         return number
 
     def delete_ref(self, ref: int, mesh) -> None:

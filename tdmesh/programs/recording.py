@@ -44,6 +44,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..engine.autograd_context import set_sink
 from ..engine.context import active_mesh_or_none
 from ..engine.placement import check_no_grad
 from ..engine.tensor import Tensor, raise_in_op
@@ -275,7 +276,8 @@ class _Compiled:
         return self.last.mode if self.last is not None else None
 
     def _trace(self, client, args, kwargs) -> tuple[Recorder, object, list, object]:
-        recorder = client.sink = Recorder(client)
+        recorder = Recorder(client)
+        set_sink(client, recorder)
         hooks = watch_optimizers(recorder)
         try:
             try:
@@ -304,7 +306,7 @@ class _Compiled:
             raise
         recorder.finished = True  # from here every free waits until the outcome is queued
         if client.sink is recorder:
-            client.sink = client
+            set_sink(client, client)
         return recorder, outputs, out_flat, out_spec
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 
+from ..engine.autograd_context import set_sink
 from ..errors import UsageError, call_site
 from ..protocol import messages as m
 from .signature import signature_names
@@ -55,7 +56,7 @@ class Resumer:
         self.resumed = False
         self.names: tuple = ({}, {})  # the numberings of the last check: the trace's, the re-run's
         self.held: list[tuple[int, object]] = []  # frees of older tensors, sent once the re-run's are bound
-        client.sink = self
+        set_sink(client, self)
         client.delete_holder = self
 
     def note_read(self, *_args) -> None:
@@ -160,7 +161,7 @@ class Resumer:
             by_place.setdefault((id(mesh), stream.id), (mesh, stream, []))[2].append((r, ref))
         with client.lock:
             self.resumed = True
-            client.sink = client
+            set_sink(client, client)
             if client.delete_holder is self:
                 client.delete_holder = None
             site = call_site()
@@ -184,7 +185,7 @@ class Resumer:
         client = self.client
         with client.lock:
             if client.sink is self:
-                client.sink = client
+                set_sink(client, client)
             if client.delete_holder is self:
                 client.delete_holder = None
             self._release()

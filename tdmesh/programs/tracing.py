@@ -30,6 +30,7 @@ import gc
 import weakref
 from typing import Any
 
+from ..engine.autograd_context import set_sink
 from ..engine.host_reads import read_name
 from ..engine.propagation import TensorMeta
 from ..errors import call_site, user_line
@@ -175,7 +176,7 @@ class Recorder:
         call runs eagerly from here on (the entries stay, for a recording of a guarded call)."""
         client = self.client
         with client.lock:
-            client.sink = client
+            set_sink(client, client)
             self.send_sofar()
             held, self.held_deletes = self.held_deletes, None
             if client.delete_holder is self:
@@ -190,7 +191,7 @@ class Recorder:
         client = self.client
         with client.lock:
             if client.sink is self:
-                client.sink = client
+                set_sink(client, client)
             held, self.held_deletes = self.held_deletes, None
             if client.delete_holder is self:
                 client.delete_holder = None

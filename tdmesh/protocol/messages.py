@@ -35,6 +35,7 @@ class CallFunction(NamedTuple):
     kwargs: dict
     stream: int = 0
     process_groups: tuple[ProcessGroupArg, ...] = ()  # created, in order, before it runs
+    grad: bool = True         # the client's grad mode: the worker records autograd as the client does
 
 
 class Slot(NamedTuple):
@@ -50,6 +51,8 @@ class DefineOp(NamedTuple):
     function: str             # an import path (aten or library op)
     args: tuple
     kwargs: dict
+    grad: bool = True         # the grad mode it runs in: the client's when it issued the op (an op used
+    # under both modes is defined twice), so that workers record the autograd graph the client does
 
 
 class CallOp(NamedTuple):

@@ -119,8 +119,8 @@ HELLOS = Kind(f"a tuple of at most {MAX_ITEMS} well-formed Hellos",
 
 CLIENT_SCHEMA: dict[type, dict[str, Kind]] = {
     m.CallFunction: dict(seq=INT, results=OPT_INTS, mutates=INTS, function=FUNCTION, args=ARGS, kwargs=KWARGS,
-                         stream=INT, process_groups=PROCESS_GROUPS),
-    m.DefineOp: dict(op=INT, function=TEXT, args=TUPLE, kwargs=KWARGS),
+                         stream=INT, process_groups=PROCESS_GROUPS, grad=BOOL),
+    m.DefineOp: dict(op=INT, function=TEXT, args=TUPLE, kwargs=KWARGS, grad=BOOL),
     m.CallOp: dict(seq=INT, op=INT, results=OPT_INTS, mutates=INTS, refs=INTS, stream=INT),
     m.SendValue: dict(seq=INT, mutates=INTS, function=OPT_FUNCTION, args=ARGS, kwargs=KWARGS, stream=INT,
                       process_groups=PROCESS_GROUPS),

@@ -21,6 +21,7 @@ from ..errors import ProtocolViolation, RecordingError
 from ..protocol import messages as m
 from ..protocol.codec import pickle_value
 from . import collectives
+from .backward import detach_results, mirrored
 from .borrows import Borrows
 from .debugger import Console
 from .functions import resolve
@@ -36,6 +37,8 @@ from .values import DependentOnError, DeviceBroken, Poison, bind_results, device
 log = logging.getLogger("tdmesh.worker")
 _CALL_OP_FIELDS = len(m.CallOp._fields)
 _CALL_RECORDING_FIELDS = len(m.CallRecording._fields)
+_grad_enabled = torch._C.is_grad_enabled
+_set_grad = torch._C._set_grad_enabled
 
 
 class Interpreter:
@@ -231,7 +234,11 @@ class Interpreter:
             raw_args, raw_kwargs = unseal(msg.args, msg.kwargs)
             args = self._resolve(raw_args, stream)
             kwargs = self._resolve(raw_kwargs, stream) if raw_kwargs else {}
-            self._bind(env, msg.results, fn(*args, **kwargs))
+            _set_grad(msg.grad)
+            value = fn(*args, **kwargs)
+            if mirrored() and not isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):  # remote fn
+                value = detach_results(value)
+            self._bind(env, msg.results, value)
         except DependentOnError as e:
             self._poison(env, msg.results, msg.mutates, e.poison)
         except ProtocolViolation:
@@ -246,6 +253,8 @@ class Interpreter:
         if op is None or op.slots != len(refs):
             raise ProtocolViolation(f"op {op_id} is not defined on worker {self.rank}" if op is None else
                                     f"op {op_id} ({op.function}) takes {op.slots} refs, got {len(refs)}")
+        if op.grad is not _grad_enabled():  # the client's grad mode when it issued the op
+            _set_grad(op.grad)
         try:
             self._bind(env, results, op.run(slot_values(env, refs, stream.id, self.rank)))
         except DependentOnError as e:
@@ -303,7 +312,8 @@ class Interpreter:
         """Run one collective (on a stream, or on the ref table ``where``); its error, if it raised
         one that the user's values caused (a broken message is a ProtocolViolation and ends the worker)."""
         try:
-            run(self, msg, where)
+            with torch.no_grad():  # it may write a leaf that requires grad here (a parameter), as c10d may
+                run(self, msg, where)
         except ProtocolViolation:
             raise
         except Exception as e:  # noqa: BLE001 - reported against the op's seq by the caller

@@ -21,10 +21,11 @@ from .values import DependentOnError, Poison
 
 class DefinedOp:
     """One DefineOp on this worker: ``run(values)`` calls the op with ``values`` in its slots."""
-    __slots__ = ("function", "fn", "args", "kwargs", "run", "slots")
+    __slots__ = ("function", "fn", "args", "kwargs", "run", "slots", "grad")
 
     def __init__(self, msg: m.DefineOp, device: torch.device) -> None:
         self.function = msg.function
+        self.grad = msg.grad
         self.args = on_device(msg.args, device)
         self.kwargs = on_device(msg.kwargs, device)
         self.fn: Callable | None = None

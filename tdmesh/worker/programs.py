@@ -274,8 +274,9 @@ class Program:
 
     # -- running -----------------------------------------------------------------------------
     def call(self, call: m.CallRecording, stream) -> None:
-        """Run one call on its stream (the stream thread's work item)."""
+        """Run one call on its stream (the stream thread's work item), with no autograd graph recorded."""
         interp = self.interp
+        torch._C._set_grad_enabled(False)
         env = stream.env
         try:
             if self.run(env, call.actuals, call.results):

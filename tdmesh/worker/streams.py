@@ -16,6 +16,12 @@ from collections.abc import Callable
 import torch
 
 log = logging.getLogger("tdmesh.worker")
+_running = threading.local()  # the Stream whose work this thread runs (a stream thread: its own, for good)
+
+
+def current_stream() -> Stream | None:
+    """The stream whose message this thread is running (for work that reads its ref table)."""
+    return getattr(_running, "stream", None)
 
 
 class Stream:
@@ -38,6 +44,7 @@ class Stream:
     def submit(self, fn: Callable, msg) -> None:
         """Run ``fn(msg, self)`` on this stream after everything submitted before."""
         if self._queue is None:
+            _running.stream = self
             self._run(fn, msg, raise_errors=True)
         else:
             self._queue.put((fn, msg))
@@ -49,6 +56,7 @@ class Stream:
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self.cuda)
         assert self._queue is not None  # a threaded stream has its queue until close()
+        _running.stream = self
         get = self._queue.get
         while True:
             item = get()

@@ -292,7 +292,9 @@ def test_bf16_autocast_on_a_mesh_runs_the_ops_local_autocast_runs(mesh1):
         local_ops = _OpNames()
         lout, _ = forward_backward(local, lx, ly, local_ops)
     assert out.dtype == torch.bfloat16 and got_out.dtype == torch.bfloat16
-    assert remote_ops.names == local_ops.names and "aten._to_copy.default" in remote_ops.names
+    # autograd detaches a saved output unless saved-tensor hooks take it (a mesh's do: engine/saved.py)
+    casts_and_ops = [[n for n in ops.names if n != "aten.detach.default"] for ops in (remote_ops, local_ops)]
+    assert casts_and_ops[0] == casts_and_ops[1] and "aten._to_copy.default" in remote_ops.names
     torch.testing.assert_close(got_out, lout.detach().cpu())
     for g, p in zip(got_grads, local.parameters()):
         torch.testing.assert_close(g, p.grad.cpu())

@@ -65,9 +65,9 @@ SAMPLES = {
 
 FIELDS = {
     m.Ref: ("id",),
-    m.CallFunction: ("seq", "results", "mutates", "function", "args", "kwargs", "stream", "process_groups"),
+    m.CallFunction: ("seq", "results", "mutates", "function", "args", "kwargs", "stream", "process_groups", "grad"),
     m.Slot: ("position",),
-    m.DefineOp: ("op", "function", "args", "kwargs"),
+    m.DefineOp: ("op", "function", "args", "kwargs", "grad"),
     m.CallOp: ("seq", "op", "results", "mutates", "refs", "stream"),
     m.SendValue: ("seq", "mutates", "function", "args", "kwargs", "stream", "process_groups"),
     m.Reduce: ("seq", "result", "tensor", "factory", "group", "reduction", "scatter", "inplace", "out", "stream"),
@@ -116,7 +116,8 @@ FIELDS = {
 }
 
 DEFAULTS = {
-    m.CallFunction: {"stream": 0, "process_groups": ()},
+    m.CallFunction: {"stream": 0, "process_groups": (), "grad": True},
+    m.DefineOp: {"grad": True},
     m.CallOp: {"stream": 0},
     m.SendValue: {"stream": 0, "process_groups": ()},
     m.Reduce: {"stream": 0},

@@ -1,0 +1,262 @@
+"""``loss.backward()`` run by the workers' own autograd: one message instead of one per backward op.
+
+The client's autograd records every forward (``requires_grad``, ``grad_fn`` and errors are
+torch's own), and so do the workers: leaves the client makes require grad are mirrored
+(``requires_grad_``, the ``requires_grad`` setter and factories' ``requires_grad=True``), and
+each op runs there in the client's grad mode (``saved.recording_grad``).  At ``backward`` the
+client walks its graph; where every node is one the workers recorded (an aten op of this mesh
+and stream, issued under tdmesh's saved-tensor hooks, not traced by a compiled function), no
+node or non-leaf tensor has a hook, and every leaf is a mirrored proxy whose gradient the
+client can describe, the backward is one call of ``tdmesh.worker.backward.run_backward``; the
+client makes the proxies of the new gradients (as ``AccumulateGrad`` would) and frees what its
+graph saved.  Anything else (custom ``autograd.Function``s, hooks, ``retain_grad``,
+``create_graph``, ``inputs=``, a pipeline's meshes, checkpointing, anomaly mode) runs on the
+client's engine as before, and the workers drop their copy of the graph.  Hooks registered
+on autograd nodes themselves (``grad_fn.register_hook``) cannot be seen: code that uses them
+sets ``TDMESH_BACKWARD=client``.  The workers check that their graph has the client's shape
+before running it (``tdmesh.protocol.graph_digest``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..protocol import messages as m
+from ..protocol.graph_digest import digest, reachable
+from . import saved
+from .autograd_context import forward_context
+from .issue import New, issue
+from .propagation import TensorMeta
+from .tensor import Tensor
+from .wire import to_wire
+
+__all__ = ["backward", "mirror_requires_grad", "COUNTS"]
+
+COUNTS = {"workers": 0, "client": 0}  # backward calls by where they ran (tests and benchmarks read it)
+
+_RUN = "tdmesh.worker.backward.run_backward"
+_DROP = "tdmesh.worker.backward.drop_graphs"
+_SET = "tdmesh.worker.backward.set_requires_grad"
+_ACCUMULATE = type(torch.ones(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+_saves: dict[type, bool] = {}
+_hooked: set[int] = set()  # sequence numbers of nodes whose tensors have hooks or retain_grad
+_base_requires_grad = torch._C.TensorBase.requires_grad
+_base_requires_grad_ = torch._C.TensorBase.requires_grad_
+
+
+def _leaf_is(t) -> bool:
+    with torch._C.DisableTorchFunction():
+        return t.grad_fn is None
+
+
+def mirror_requires_grad(t: Tensor, flag: bool) -> None:
+    """Make the workers' tensor of leaf ``t`` require grad as the client's does."""
+    if getattr(t, "_wgrad", False) == flag or t._mesh.client is None or not saved.workers_run_backward():
+        return
+    stream = t._stream
+    grad = saved.recording_grad()
+
+    def build(seq, results, _mutated):
+        return m.CallFunction(seq, results, (), _SET, (m.Ref(t._r.id), flag), {}, stream.id, grad=grad)
+
+    issue(t._mesh, build, inputs=[t], stream=stream)
+    t._wgrad = flag  # type: ignore[attr-defined]
+
+
+def _requires_grad_(self, requires_grad=True):
+    with torch._C.DisableTorchFunction():
+        _base_requires_grad_(self, requires_grad)
+        leaf = self.grad_fn is None
+    if leaf:
+        mirror_requires_grad(self, bool(requires_grad))
+    return self
+
+
+def _set_requires_grad(self, value) -> None:
+    _requires_grad_(self, value)
+
+
+def _note_hooked(t) -> None:
+    with torch._C.DisableTorchFunction():
+        node = t.grad_fn
+    if node is not None:
+        _hooked.add(node._sequence_nr())
+
+
+def _register_hook(self, hook):
+    _note_hooked(self)
+    return torch.Tensor.register_hook(self, hook)
+
+
+def _retain_grad(self):
+    _note_hooked(self)
+    return torch.Tensor.retain_grad(self)
+
+
+Tensor.requires_grad_ = _requires_grad_  # type: ignore[method-assign]
+Tensor.requires_grad = property(_base_requires_grad.__get__, _set_requires_grad)  # type: ignore[assignment,attr-defined]
+Tensor.register_hook = _register_hook  # type: ignore[method-assign]
+Tensor.retain_grad = _retain_grad  # type: ignore[method-assign]
+
+
+def _saves_tensors(kind: type) -> bool:
+    answer = _saves.get(kind)
+    if answer is None:
+        answer = _saves[kind] = any(a.startswith("_raw_saved_") for a in dir(kind))
+    return answer
+
+
+def _contiguous(meta: TensorMeta) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(meta.size), reversed(meta.stride)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _plan(roots: list, grad_roots: list):
+    """``(mesh, stream, nodes' sequence numbers, leaves, digest)`` where the workers can run
+    this backward; None where the client's engine must."""
+    first = roots[0]
+    if type(first) is not Tensor:
+        return None
+    mesh, stream = first._mesh, first._stream
+    client = mesh.client
+    if client is None or client.sink is not client or torch.is_anomaly_enabled():
+        return None
+    with torch._C.DisableTorchFunction():
+        for r in roots:
+            if type(r) is not Tensor or r._mesh is not mesh or r._stream is not stream or r.grad_fn is None:
+                return None
+        for r, g in zip(roots, grad_roots):
+            if g is None and math.prod(r._meta.size) != 1:
+                return None  # torch's error ("grad can be implicitly created only for scalar outputs"), here
+            if g is not None and (type(g) is not Tensor or g._mesh is not mesh or g._stream is not stream):
+                return None
+        nodes, edges = reachable([r.grad_fn for r in roots])
+        saved_by_node = saved.saved_by_node()
+        seqs: list[int] = []
+        leaves: list = []
+        for node in nodes:
+            kind = type(node)
+            if kind is _ACCUMULATE:
+                leaf = node.variable
+                if not _mirrored_leaf(leaf, mesh, stream):
+                    if type(leaf) is Tensor and leaf._mesh is mesh and getattr(leaf, "_wgrad", False) is False:
+                        mirror_requires_grad(leaf, True)  # the next forward records it on the workers
+                    return None
+                leaves.append(leaf)
+                continue
+            seq = node._sequence_nr()
+            context = forward_context(seq)
+            if context is None or context[0] is not mesh or context[1] is not stream or not context[2]:
+                return None
+            if seq in _hooked or isinstance(node, torch.autograd.function.BackwardCFunction):
+                return None
+            entry = saved_by_node.get(seq)
+            if entry is saved.RELEASED:
+                raise saved.freed_error()  # a second backward through it, as torch raises
+            if entry is None and _saves_tensors(kind):
+                return None  # saved under the user's hooks (checkpoint), or outside an activation
+            seqs.append(seq)
+    return mesh, stream, seqs, leaves, digest(nodes, edges)
+
+
+def _mirrored_leaf(leaf, mesh, stream) -> bool:
+    if type(leaf) is not Tensor or leaf._mesh is not mesh or leaf._stream is not stream:
+        return False
+    if not getattr(leaf, "_wgrad", False) or type(leaf._meta) is not TensorMeta or not _contiguous(leaf._meta):
+        return False
+    if leaf._backward_hooks or getattr(leaf, "_post_accumulate_grad_hooks", None):
+        return False
+    grad = leaf.grad
+    return grad is None or (type(grad) is Tensor and grad._mesh is mesh and grad._stream is stream)
+
+
+def _run_on_workers(plan, roots: list, grad_roots: list, retain_graph: bool) -> None:
+    mesh, stream, seqs, leaves, shape = plan
+    with torch._C.DisableTorchFunction():
+        grads = [leaf.grad for leaf in leaves]
+    new = [New(TensorMeta(leaf._meta.size, leaf._meta.stride, 0, leaf._meta.dtype)) for leaf, g in
+           zip(leaves, grads) if g is None]
+    existing = [g for g in grads if g is not None]
+    args = to_wire((list(roots), list(grad_roots), leaves, grads, retain_graph, shape))
+
+    def build(seq, results, mutated):
+        return m.CallFunction(seq, results, mutated, _RUN, args, {}, stream.id)
+
+    made = issue(mesh, build, inputs=list(roots) + [g for g in grad_roots if g is not None] + leaves + existing,
+                 outputs=new, mutated=existing, stream=stream)
+    made_grads = iter(made)
+    with torch._C.DisableTorchFunction():
+        for leaf, g in zip(leaves, grads):
+            if g is None:
+                leaf.grad = next(made_grads)
+    if not retain_graph:
+        saved.release(seqs)
+
+
+def _drop_on_workers(roots: list) -> None:
+    """The client's engine ran this backward: the workers free their copy of its graph."""
+    first = roots[0]
+    client = first._mesh.client
+    if client is None or client.sink is not client or not saved.workers_run_backward():
+        return
+    stream = first._stream
+    args = to_wire(([r for r in roots if type(r) is Tensor and r._mesh is first._mesh],))
+
+    def build(seq, results, _mutated):
+        return m.CallFunction(seq, results, (), _DROP, args, {}, stream.id)
+
+    issue(first._mesh, build, inputs=[r for r in roots if type(r) is Tensor and r._mesh is first._mesh],
+          stream=stream)
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def backward(run_on_client, func, args: tuple, kwargs: dict):
+    """``Tensor.backward`` / ``torch.autograd.backward`` under an active mesh."""
+    if func is torch.autograd.grad:  # gradients returned, not accumulated: the client's engine
+        params = dict(zip(("outputs", "inputs", "grad_outputs", "retain_graph", "create_graph"), args)) | kwargs
+        out = run_on_client(func, args, kwargs)
+        retain = params.get("retain_graph")
+        roots = _as_list(params.get("outputs"))
+        if roots and type(roots[0]) is Tensor and not (params.get("create_graph") if retain is None else retain):
+            _drop_on_workers(roots)
+        return out
+    if func is torch.Tensor.backward:
+        params = dict(zip(("self", "gradient", "retain_graph", "create_graph", "inputs"), args)) | kwargs
+        roots = [params.get("self")]
+        grad_roots = [params.get("gradient")]
+    else:
+        params = dict(zip(("tensors", "grad_tensors", "retain_graph", "create_graph", "grad_variables", "inputs"),
+                          args)) | kwargs
+        roots = _as_list(params.get("tensors"))
+        grad_roots = _as_list(params.get("grad_tensors", params.get("grad_variables"))) or [None] * len(roots)
+    create_graph = bool(params.get("create_graph"))
+    retain_graph = params.get("retain_graph")
+    retain_graph = create_graph if retain_graph is None else bool(retain_graph)
+    eligible = (saved.workers_run_backward() and roots and len(grad_roots) == len(roots) and not create_graph
+                and params.get("inputs") is None and not _in_backward())
+    plan = _plan(roots, grad_roots) if eligible else None
+    if plan is not None:
+        _run_on_workers(plan, roots, grad_roots, retain_graph)
+        COUNTS["workers"] += 1
+        return None
+    COUNTS["client"] += 1
+    out = run_on_client(func, args, kwargs)
+    if roots and type(roots[0]) is Tensor and not retain_graph:
+        _drop_on_workers(roots)
+    return out
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+

@@ -1,0 +1,98 @@
+"""Backward run by the workers' own autograd (the client's half: ``tdmesh/engine/backward.py``).
+
+While a mesh's forward runs, each worker records the same autograd graph the client does: a
+leaf the client makes require grad is made to here (``set_requires_grad``), and every op runs
+under the client's grad mode (``DefineOp.grad``, ``CallFunction.grad``).  A ``loss.backward()``
+whose graph allows it is then one call of ``run_backward``, not one message per backward op.
+
+Everything else a worker runs must leave that graph as the client's: a remote function's
+results are detached once leaves are mirrored (the client's proxies of them do not require
+grad, so nothing computed from them may carry gradient here), and a graph the client runs
+backward through itself is dropped (``drop_graphs``), so that its saved activations are freed
+as the client frees its own, not when the last tensor of the forward dies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..protocol.graph_digest import digest, reachable
+from .streams import current_stream
+
+__all__ = ["set_requires_grad", "run_backward", "drop_graphs", "detach_results"]
+
+_state = {"mirrored": False}  # whether a client mirrored a leaf's requires_grad into this process
+
+
+def set_requires_grad(tensor: torch.Tensor, requires_grad: bool) -> None:
+    """A leaf's ``requires_grad_`` on the client, mirrored here."""
+    _state["mirrored"] = True
+    tensor.requires_grad_(requires_grad)
+
+
+def mirrored() -> bool:
+    return _state["mirrored"]
+
+
+def detach_results(value):
+    """A remote function's results as the workers bind them: tensors that carry gradient here
+    are detached, as their proxies on the client carry none (only once leaves are mirrored:
+    before, any graph here is the remote function's own)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value.requires_grad else value
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) and v.requires_grad for v in value):
+        return type(value)(v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v for v in value) \
+            if not hasattr(value, "_fields") else type(value)(*(
+                v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v for v in value))
+    if isinstance(value, dict):
+        return {k: detach_results(v) for k, v in value.items()}
+    return value
+
+
+def run_backward(roots: list, grad_roots: list, leaves: list, grads: list, retain_graph: bool,
+                 expected: tuple[int, int, int]) -> tuple:
+    """``torch.autograd.backward(roots, grad_roots, inputs=leaves)`` with each leaf's ``.grad``
+    first set to what the client's proxy holds (``grads``: a tensor or None); returns the new
+    gradients of the leaves that had none, in order (the client made their proxies).
+
+    Refuses (every result poisoned, nothing accumulated) when this worker's graph is not the
+    client's (``expected`` is the client's digest) or when torch leaves a leaf without a
+    gradient that the client made a proxy for."""
+    nodes, edges = reachable([r.grad_fn for r in roots])
+    found = digest(nodes, edges)
+    if found != tuple(expected):
+        raise RuntimeError(
+            f"tdmesh: this worker's autograd graph is not the client's (nodes, edges, names: {found} here, "
+            f"{tuple(expected)} on the client), so its gradients would not be the ones asked for; nothing was "
+            f"computed.  This is a tdmesh bug: please report it, and run with TDMESH_BACKWARD=client meanwhile")
+    for leaf, grad in zip(leaves, grads):
+        leaf.grad = grad
+    torch.autograd.backward(roots, [g for g in grad_roots] if any(g is not None for g in grad_roots) else None,
+                            retain_graph=retain_graph, inputs=leaves)
+    new = []
+    for i, (leaf, had) in enumerate(zip(leaves, grads)):
+        grad = leaf.grad
+        if grad is None:
+            raise RuntimeError(f"tdmesh: backward gave leaf {i} of this graph ({tuple(leaf.shape)}) no gradient, "
+                               f"where the client expected one; run with TDMESH_BACKWARD=client for this model")
+        if had is None:
+            if grad.storage_offset() != 0 or grad.stride() != leaf.stride():  # the client's proxy has the leaf's
+                laid_out = torch.empty_strided(leaf.shape, leaf.stride(), dtype=grad.dtype, device=grad.device)
+                grad = leaf.grad = laid_out.copy_(grad)
+            new.append(grad)
+    return tuple(new)
+
+
+def drop_graphs(roots: list) -> None:
+    """The client runs this graph's backward itself: free what this worker's copy of it saved
+    now (each value of this stream whose node is in it is replaced by a detached alias, so the
+    graph has no owner left), not when the forward's last tensor dies."""
+    nodes, _ = reachable([r.grad_fn for r in roots if isinstance(r, torch.Tensor)])
+    stream = current_stream()
+    if not nodes or stream is None:
+        return
+    inside = set(nodes)
+    env = stream.env
+    for ref, value in list(env.items()):
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None and value.grad_fn in inside:
+            env[ref] = value.detach()

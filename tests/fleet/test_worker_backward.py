@@ -1,0 +1,242 @@
+"""``loss.backward()`` run by the workers' own autograd (``TDMESH_BACKWARD=auto``, the default):
+one message instead of one per backward op, the same gradients as torch's engine on the client,
+and every case the workers cannot run exactly (hooks, custom Functions, ``retain_grad``,
+checkpointing, ``create_graph``) left to the client's engine, as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import tdmesh
+from tdmesh import fetch_shard
+from tdmesh.engine import backward as worker_backward
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.GELU(), torch.nn.Linear(8, 3))
+
+
+def _where(fn):
+    """``fn()``'s result and where its backward calls ran: (on the workers, on the client)."""
+    before = dict(worker_backward.COUNTS)
+    out = fn()
+    counts = worker_backward.COUNTS
+    return out, (counts["workers"] - before["workers"], counts["client"] - before["client"])
+
+
+def _grads(model):
+    return fetch_shard([p.grad for p in model.parameters()]).result()
+
+
+def _local(model):
+    """The same model on the client, with the mesh model's current parameters."""
+    local = _model()
+    with torch.no_grad():
+        for p, v in zip(local.parameters(), fetch_shard([p.detach() for p in model.parameters()]).result()):
+            p.copy_(v)
+    return local
+
+
+def test_a_backward_is_one_message_and_gives_torchs_gradients(mesh2x2, monkeypatch):
+    with mesh2x2.activate():
+        model = _model()
+        x = torch.randn(5, 6)
+        loss = F.mse_loss(model(x), torch.zeros(5, 3))
+        first = mesh2x2.client.last_seq
+        _, (workers, client) = _where(loss.backward)
+        assert (workers, client, mesh2x2.client.last_seq - first) == (1, 0, 1)
+        assert all(type(p.grad) is tdmesh.Tensor and p.grad.shape == p.shape for p in model.parameters())
+        got = _grads(model)
+        monkeypatch.setenv("TDMESH_BACKWARD", "client")
+        for p in model.parameters():
+            p.grad = None
+        loss = F.mse_loss(model(x), torch.zeros(5, 3))
+        _, where = _where(loss.backward)
+        assert where == (0, 1)
+        want = _grads(model)
+        local_x = fetch_shard(x).result()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    local = _local(model)
+    F.mse_loss(local(local_x), torch.zeros(5, 3)).backward()
+    for a, p in zip(got, local.parameters()):
+        torch.testing.assert_close(a, p.grad)
+
+
+def test_gradients_accumulate_and_set_to_none_starts_again(mesh2x2):
+    with mesh2x2.activate():
+        model = _model()
+        x = torch.randn(4, 6)
+        model(x).sum().backward()
+        once = _grads(model)
+        grads = [p.grad for p in model.parameters()]
+        (model(x) * 2).sum().backward()  # accumulates into the same gradients, as torch's engine does
+        assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+        thrice = _grads(model)
+        model.zero_grad()  # set_to_none
+        (model(x) * 3).sum().backward()
+        fresh = _grads(model)
+    for a, b, c in zip(once, thrice, fresh):
+        torch.testing.assert_close(b, 3 * a)
+        torch.testing.assert_close(c, 3 * a)
+
+
+def test_a_second_backward_raises_torchs_error_at_once_and_retain_graph_allows_it(mesh2x2):
+    with mesh2x2.activate():
+        model = _model()
+        loss = model(torch.randn(4, 6)).square().mean()
+        loss.backward(retain_graph=True)
+        _, where = _where(loss.backward)
+        assert where == (1, 0)
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+        twice = _grads(model)
+        model.zero_grad()
+        loss = model(torch.randn(4, 6)).square().mean()
+        assert all(torch.isfinite(g).all() for g in twice)
+
+
+def test_frozen_parameters_get_no_gradient(mesh2x2):
+    with mesh2x2.activate():
+        model = _model()
+        model[0].requires_grad_(False)
+        _, where = _where(lambda: model(torch.randn(4, 6)).sum().backward())
+        assert where == (1, 0)
+        assert model[0].weight.grad is None and model[3].weight.grad is not None
+        model[0].requires_grad_(True)  # mirrored back: the next backward reaches it on the workers
+        _, where = _where(lambda: model(torch.randn(4, 6)).sum().backward())
+        assert where == (1, 0) and model[0].weight.grad is not None
+        assert fetch_shard(model[0].weight.grad).result().abs().sum() > 0
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def _hooked(model, x):
+    seen = []
+    h = model[0](x)
+    h.register_hook(lambda g: seen.append(g.shape) or g * 0.5)
+    return model[3](model[2](model[1](h))).sum(), seen
+
+
+@pytest.mark.parametrize("case", ["custom_function", "tensor_hook", "retain_grad", "checkpoint", "leaf_hook",
+                                  "create_graph", "inputs"])
+def test_what_the_workers_cannot_run_runs_on_the_clients_engine_with_the_same_gradients(mesh2x2, monkeypatch, case):
+    def step(model, x):
+        seen: list = []
+        if case == "custom_function":
+            loss = _Twice.apply(model(x)).sum()
+        elif case == "tensor_hook":
+            loss, seen = _hooked(model, x)
+        elif case == "retain_grad":
+            h = model[0](x)
+            h.retain_grad()
+            loss = model[3](model[2](model[1](h))).sum()
+            seen.append(h)
+        elif case == "checkpoint":
+            loss = checkpoint(model, x, use_reentrant=False).sum()
+        elif case == "leaf_hook":
+            model[3].bias.register_hook(lambda g: g * 3)
+            loss = model(x).sum()
+        else:
+            loss = model(x).square().sum()
+        if case == "create_graph":
+            loss.backward(create_graph=True)
+        elif case == "inputs":
+            loss.backward(inputs=list(model.parameters()))
+        else:
+            loss.backward()
+        return seen
+
+    with mesh2x2.activate():
+        model = _model()
+        x = torch.randn(4, 6)
+        seen, where = _where(lambda: step(model, x))
+        assert where == (0, 1)
+        got = [g.detach() for g in _grads(model)]
+        if case == "retain_grad":
+            assert fetch_shard(seen[0].grad).result().shape == (4, 8)
+        if case == "tensor_hook":
+            assert seen == [torch.Size([4, 8])]
+        monkeypatch.setenv("TDMESH_BACKWARD", "client")
+        other = _model()
+        for p in other.parameters():
+            p.requires_grad_(True)
+        with torch.no_grad():
+            for p, q in zip(other.parameters(), model.parameters()):
+                p.copy_(q)
+        step(other, x)
+        want = [g.detach() for g in _grads(other)]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_workers_free_what_the_graph_saved_when_their_backward_ran(mesh2x2):
+    """As torch's engine frees a graph's saved tensors as it runs it: with the loss still held after
+    its backward, the workers hold only the loss beyond the model, its gradients and the batch."""
+    live = tdmesh.remote("tdmesh.worker.builtins.live_refs")
+    with mesh2x2.activate():
+        model = _model()
+        x = torch.randn(4, 6)
+        model(x).square().mean().backward()  # the gradients exist from here on
+        before = tdmesh.call_on_shard_and_fetch(live).result()
+        loss = model(x).square().mean()
+        during = tdmesh.call_on_shard_and_fetch(live).result()
+        _, where = _where(loss.backward)
+        after = tdmesh.call_on_shard_and_fetch(live).result()
+    assert where == (1, 0)
+    assert during >= before + 6  # the forward's saved activations...
+    assert after == before + 1  # ...freed by the workers' backward: the loss is all that is left
+
+
+def test_a_failure_in_the_forward_poisons_the_gradients_and_nothing_else(mesh2x2):
+    chol = tdmesh.remote(torch.linalg.cholesky, propagate=lambda a: a)
+    with mesh2x2.activate():
+        w = torch.eye(2).requires_grad_()
+        ok = torch.ones(2, requires_grad=True)
+        bad = chol(-torch.eye(2))
+        loss = (w * bad).sum() + ok.sum()
+        loss.backward()
+        with pytest.raises(tdmesh.RemoteException, match="cholesky|positive-definite"):
+            fetch_shard(w.grad).result()
+        assert fetch_shard(torch.ones(1)).result().tolist() == [1.0]
+
+
+def test_a_remote_functions_result_carries_no_gradient_on_the_workers(mesh2x2):
+    """As its proxy on the client: a value computed from a parameter by a remote function is a
+    constant to the graph the client recorded, and so it is to the workers' copy."""
+    double = tdmesh.remote(lambda p: p * 2, propagate=lambda p: torch.empty_like(p))
+    with mesh2x2.activate():
+        p = torch.ones(3).requires_grad_()
+        c = double(p)
+        assert not c.requires_grad
+        _, where = _where(lambda: (p * c).sum().backward())
+        assert where == (1, 0)
+        assert fetch_shard(p.grad).result().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_no_grad_regions_are_not_recorded_on_the_workers(mesh2x2):
+    with mesh2x2.activate():
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, 6)
+        for _ in range(3):  # the optimizer writes the parameters in place under no_grad, on the workers too
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)
+        _, where = _where(lambda: model(x).sum().backward())
+        assert where == (1, 0)
+        assert torch.isfinite(fetch_shard(model[0].weight.grad).result()).all()
