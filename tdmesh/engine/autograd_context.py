@@ -16,10 +16,12 @@ from __future__ import annotations
 import bisect
 import threading
 
+import torch
 from torch._C._autograd import _get_sequence_nr
 
 from . import stream as _stream
 from .context import active_mesh
+from .saved import pack
 from .stream import DEFAULT_STREAM, get_active_stream
 
 __all__ = ["note_context", "forward_context", "set_sink"]
@@ -41,7 +43,8 @@ def note_context() -> None:
     now = _get_sequence_nr()
     mesh = active_mesh.get()
     client = getattr(mesh, "client", None)
-    context = (mesh, get_active_stream(), client is None or client.sink is client)
+    hooks = _hooks.kinds
+    context = (mesh, get_active_stream(), (client is None or client.sink is client) and not (hooks and hooks[-1]))
     r = _ranges
     if r.starts[-1] == now:  # no node made since the last change: that context never held one
         r.contexts[-1] = context
@@ -57,9 +60,9 @@ def note_context() -> None:
 
 
 def forward_context(sequence_nr: int) -> tuple | None:
-    """``(mesh or None, stream, issued)`` active when node ``sequence_nr`` was made on this thread
-    (``issued``: not while a compiled function was traced, whose ops workers do not record
-    autograd for); None when that is older than the ranges kept."""
+    """``(mesh or None, stream, recorded)`` active when node ``sequence_nr`` was made on this thread
+    (``recorded``: the workers recorded it too; not while a compiled function was traced, nor under
+    the user's own saved-tensor hooks: ``checkpoint``); None when that is older than the ranges kept."""
     r = _ranges
     i = bisect.bisect_right(r.starts, sequence_nr) - 1
     if i < 0:
@@ -75,3 +78,32 @@ def set_sink(client, sink) -> None:
     the client): noted, as autograd nodes made while tracing have no copy on the workers."""
     client.sink = sink
     note_context()
+
+
+class _Hooks(threading.local):
+    def __init__(self) -> None:
+        self.kinds: list[bool] = []  # this thread's saved-tensor hooks, bottom first: True where not tdmesh's
+
+
+_hooks = _Hooks()
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+def _pushed(pack_hook, unpack_hook) -> None:
+    """torch's push of saved-tensor hooks (``saved_tensors_hooks``, ``checkpoint``), noted: nodes made
+    under the user's hooks save what those hooks keep, so their backward stays on the client."""
+    _push_hooks(pack_hook, unpack_hook)
+    _hooks.kinds.append(pack_hook is not pack)
+    note_context()
+
+
+def _popped() -> None:
+    _pop_hooks()
+    if _hooks.kinds:
+        _hooks.kinds.pop()
+    note_context()
+
+
+torch._C._autograd._push_saved_tensors_default_hooks = _pushed
+torch._C._autograd._pop_saved_tensors_default_hooks = _popped

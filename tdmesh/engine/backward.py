@@ -40,7 +40,6 @@ _RUN = "tdmesh.worker.backward.run_backward"
 _DROP = "tdmesh.worker.backward.drop_graphs"
 _SET = "tdmesh.worker.backward.set_requires_grad"
 _ACCUMULATE = type(torch.ones(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
-_saves: dict[type, bool] = {}
 _hooked: set[int] = set()  # sequence numbers of nodes whose tensors have hooks or retain_grad
 _base_requires_grad = torch._C.TensorBase.requires_grad
 _base_requires_grad_ = torch._C.TensorBase.requires_grad_
@@ -101,13 +100,6 @@ Tensor.register_hook = _register_hook  # type: ignore[method-assign]
 Tensor.retain_grad = _retain_grad  # type: ignore[method-assign]
 
 
-def _saves_tensors(kind: type) -> bool:
-    answer = _saves.get(kind)
-    if answer is None:
-        answer = _saves[kind] = any(a.startswith("_raw_saved_") for a in dir(kind))
-    return answer
-
-
 def _contiguous(meta: TensorMeta) -> bool:
     expected = 1
     for size, stride in zip(reversed(meta.size), reversed(meta.stride)):
@@ -122,20 +114,20 @@ def _plan(roots: list, grad_roots: list):
     this backward; None where the client's engine must."""
     first = roots[0]
     if type(first) is not Tensor:
-        return None
+        return _client("its root is not a mesh tensor")
     mesh, stream = first._mesh, first._stream
     client = mesh.client
     if client is None or client.sink is not client or torch.is_anomaly_enabled():
-        return None
+        return _client("a compiled function is being traced, or anomaly mode is on")
     with torch._C.DisableTorchFunction():
         for r in roots:
             if type(r) is not Tensor or r._mesh is not mesh or r._stream is not stream or r.grad_fn is None:
-                return None
+                return _client("its roots are on several meshes or streams, or one has no grad_fn")
         for r, g in zip(roots, grad_roots):
             if g is None and math.prod(r._meta.size) != 1:
-                return None  # torch's error ("grad can be implicitly created only for scalar outputs"), here
+                return _client("a root that is not a scalar has no gradient given")  # torch raises, there
             if g is not None and (type(g) is not Tensor or g._mesh is not mesh or g._stream is not stream):
-                return None
+                return _client("a gradient given is not a tensor of the roots' mesh and stream")
         nodes, edges = reachable([r.grad_fn for r in roots])
         saved_by_node = saved.saved_by_node()
         seqs: list[int] = []
@@ -147,22 +139,37 @@ def _plan(roots: list, grad_roots: list):
                 if not _mirrored_leaf(leaf, mesh, stream):
                     if type(leaf) is Tensor and leaf._mesh is mesh and getattr(leaf, "_wgrad", False) is False:
                         mirror_requires_grad(leaf, True)  # the next forward records it on the workers
-                    return None
+                    return _client(f"a leaf is not a mirrored mesh tensor of this mesh ({_leaf_text(leaf)})")
                 leaves.append(leaf)
                 continue
             seq = node._sequence_nr()
             context = forward_context(seq)
             if context is None or context[0] is not mesh or context[1] is not stream or not context[2]:
-                return None
+                return _client(f"{kind.__name__} was made on another mesh or stream, while a compiled function was "
+                               f"traced, or under the user's saved-tensor hooks (checkpoint)")
             if seq in _hooked or isinstance(node, torch.autograd.function.BackwardCFunction):
-                return None
+                return _client(f"{kind.__name__} is a custom autograd.Function's or has hooks (or retain_grad)")
             entry = saved_by_node.get(seq)
             if entry is saved.RELEASED:
                 raise saved.freed_error()  # a second backward through it, as torch raises
-            if entry is None and _saves_tensors(kind):
-                return None  # saved under the user's hooks (checkpoint), or outside an activation
             seqs.append(seq)
     return mesh, stream, seqs, leaves, digest(nodes, edges)
+
+
+def _client(reason: str) -> None:
+    """No plan: the client's engine runs this backward, for ``reason`` (kept in ``CLIENT_REASON``)."""
+    CLIENT_REASON[0] = reason
+
+
+CLIENT_REASON = [""]  # why the latest backward that could not run on the workers ran on the client
+
+
+def _leaf_text(leaf) -> str:
+    if type(leaf) is not Tensor:
+        return f"a {type(leaf).__name__}"
+    if not getattr(leaf, "_wgrad", False):
+        return "its requires_grad was set where tdmesh could not see it; mirrored now, for the next forward"
+    return "another mesh or stream, not contiguous, hooked, or its .grad elsewhere"
 
 
 def _mirrored_leaf(leaf, mesh, stream) -> bool:
@@ -180,8 +187,8 @@ def _run_on_workers(plan, roots: list, grad_roots: list, retain_graph: bool) -> 
     mesh, stream, seqs, leaves, shape = plan
     with torch._C.DisableTorchFunction():
         grads = [leaf.grad for leaf in leaves]
-    new = [New(TensorMeta(leaf._meta.size, leaf._meta.stride, 0, leaf._meta.dtype)) for leaf, g in
-           zip(leaves, grads) if g is None]
+        new = [New(TensorMeta(leaf._meta.size, leaf._meta.stride, 0, leaf._meta.dtype), device=leaf.device)
+               for leaf, g in zip(leaves, grads) if g is None]
     existing = [g for g in grads if g is not None]
     args = to_wire((list(roots), list(grad_roots), leaves, grads, retain_graph, shape))
 

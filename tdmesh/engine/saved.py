@@ -123,7 +123,7 @@ def push_hooks() -> bool:
     if not workers_run_backward():
         return False
     try:
-        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)  # noted by autograd_context
     except RuntimeError:
         return False
     return True

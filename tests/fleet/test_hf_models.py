@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 from bench.compile_models import ROWS, local_reference, on_mesh  # noqa: E402
+from tdmesh.engine.backward import COUNTS  # noqa: E402
 
 STEPS = 6
 
@@ -27,7 +28,10 @@ def reference(mesh1):
 @pytest.mark.parametrize("kind,optimizer", ROWS, ids=[f"{k}-{o}" for k, o in ROWS])
 def test_hf_model_trains_on_a_mesh_as_it_trains_locally(mesh1, reference, kind, optimizer, compiled):
     state, want_losses, want_params = reference[kind, optimizer]
+    on_workers = COUNTS["workers"]
     losses, params, fn = on_mesh(mesh1, kind, optimizer, state, STEPS, compiled)
+    if not compiled:  # every eager backward ran on the workers' own autograd (tdmesh/engine/backward.py)
+        assert COUNTS["workers"] - on_workers == STEPS
     if mesh1.device_type == "cpu":
         assert losses == want_losses
         assert all(torch.equal(a, b) for a, b in zip(params, want_params))
