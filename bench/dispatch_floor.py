@@ -43,11 +43,11 @@ first step.  Per step, and per message the real step sends:
 
 The step's target (issue 29) is a client cost per op; ``given proxies`` is the part of it no
 change to tdmesh's own work can remove.  A last line times the step without its backward (the
-forward, which autograd records, and the optimizer on the gradients the last step left): what the
-client would still issue if backward ran on the workers, one message for all of it.
+forward and the optimizer): what the client issues when the workers run backward, in one message.
 
-Both tables time their rows in rounds (``--repeats`` after one that warms up), every row in
-turn, each row its best round: the H200 host's speed drifts within a run, by up to 2x.
+The step table runs with ``TDMESH_BACKWARD=client`` (every backward op a message: the per-op path;
+``bench.train_step`` times the default, one message for backward).  Both tables time their rows in
+rounds (``--repeats`` after one that warms up), each row its best: the H200 host drifts up to 2x.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def _wrappers():
 
 
 def main(argv=None) -> int:
+    os.environ["TDMESH_BACKWARD"] = "client"  # the per-op path (see above); read at each backward call
     p = argparse.ArgumentParser(prog="python -m bench.dispatch_floor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
