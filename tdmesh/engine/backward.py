@@ -29,6 +29,7 @@ from . import saved
 from .autograd_context import forward_context
 from .issue import New, issue
 from .propagation import TensorMeta
+from .stream import get_active_stream
 from .tensor import Tensor
 from .wire import to_wire
 
@@ -117,6 +118,8 @@ def _plan(roots: list, grad_roots: list):
         return _client("its root is not a mesh tensor")
     mesh, stream = first._mesh, first._stream
     client = mesh.client
+    if stream is not get_active_stream():
+        return _client("its roots are not on the active stream (the client's engine raises at the op that is not)")
     if client is None or client.sink is not client or torch.is_anomaly_enabled():
         return _client("a compiled function is being traced, or anomaly mode is on")
     with torch._C.DisableTorchFunction():

@@ -34,6 +34,11 @@ def mirrored() -> bool:
     return _state["mirrored"]
 
 
+def forget_mirroring() -> None:
+    """A warm worker's next job starts as a fresh process does."""
+    _state["mirrored"] = False
+
+
 def detach_results(value):
     """A remote function's results as the workers bind them: tensors that carry gradient here
     are detached, as their proxies on the client carry none (only once leaves are mirrored:

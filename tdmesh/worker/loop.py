@@ -116,10 +116,11 @@ def _park(store, device: torch.device, seed: int) -> str | None:
     global state back as a fresh process has it, and wait for the next job's scope."""
     import gc
 
-    from . import collectives, functions
+    from . import backward, collectives, functions
     from .interpreter import Interpreter
     collectives.clear_group_info()
     functions.clear()
+    backward.forget_mirroring()
     Interpreter.current = None  # the last session's interpreter: its recordings, CUDA graphs and their pools
     gc.collect()  # the last session's ref table sits in cycles (streams, threads): free its tensors now
     torch.manual_seed(seed)

@@ -56,6 +56,34 @@ def test_autograd_on_gpu_workers(gpu_mesh):
     assert grad.device.type == "cpu" and torch.equal(grad, torch.full((3,), 4.0))
 
 
+def test_a_cuda_workers_backward_is_one_message_with_the_gradients_of_the_clients_engine(gpu_mesh, monkeypatch):
+    """The workers run backward on their own autograd (CUDA streams and the engine's device thread
+    there): one message, new gradients on the GPU, within float tolerance of the client's engine."""
+    from tdmesh.engine.backward import COUNTS
+
+    def grads():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                    torch.nn.Linear(32, 4))
+        x = torch.randn(8, 16)
+        loss = model(x).square().mean()
+        before, first = dict(COUNTS), gpu_mesh.client.last_seq
+        loss.backward()
+        sent = gpu_mesh.client.last_seq - first
+        assert all(p.grad.device.type == "cuda" for p in model.parameters())
+        where = (COUNTS["workers"] - before["workers"], COUNTS["client"] - before["client"])
+        return tdmesh.fetch_shard([p.grad for p in model.parameters()]).result(), where, sent
+
+    with gpu_mesh.activate():
+        on_workers, where, sent = grads()
+        assert where == (1, 0) and sent == 1
+        monkeypatch.setenv("TDMESH_BACKWARD", "client")
+        on_client, where, sent = grads()
+        assert where == (0, 1) and sent > 10
+    for a, b in zip(on_workers, on_client):
+        torch.testing.assert_close(a, b)
+
+
 def test_torchrun_on_gpus():
     n = min(torch.cuda.device_count(), 2)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
@@ -286,10 +314,13 @@ def test_adamw_on_a_cuda_mesh_takes_torchs_fast_paths(flags):
         torch.testing.assert_close(g, expected.detach().cpu())
 
 
-def test_the_ops_autograds_device_thread_runs_name_the_backward_call(gpu_mesh):
+def test_the_ops_autograds_device_thread_runs_name_the_backward_call(gpu_mesh, monkeypatch):
     """On a CUDA mesh autograd runs backward's ops on its device thread, where no user frame is
-    found: they are recorded at the line of the backward call that started them (they had no site)."""
+    found: they are recorded at the line of the backward call that started them (they had no site).
+    The client's engine runs them (with the workers running backward it is one op, at that line)."""
     import inspect as pyinspect
+
+    monkeypatch.setenv("TDMESH_BACKWARD", "client")
 
     from _sites import recorded_sites
     with gpu_mesh.activate():
