@@ -9,8 +9,9 @@ and stream, issued under tdmesh's saved-tensor hooks, not traced by a compiled f
 node or non-leaf tensor has a hook, and every leaf is a mirrored proxy whose gradient the
 client can describe, the backward is one call of ``tdmesh.worker.backward.run_backward``; the
 client makes the proxies of the new gradients (as ``AccumulateGrad`` would) and frees what its
-graph saved.  Anything else (custom ``autograd.Function``s, hooks, ``retain_grad``,
-``create_graph``, ``inputs=``, a pipeline's meshes, checkpointing, anomaly mode) runs on the
+graph saved; ``torch.autograd.grad`` of leaves likewise returns the new proxies.  Anything else
+(custom ``autograd.Function``s, hooks, ``retain_grad``, ``create_graph``, ``inputs=``, a
+pipeline's meshes, checkpointing, anomaly mode) runs on the
 client's engine as before, and the workers drop their copy of the graph.  Hooks registered
 on autograd nodes themselves (``grad_fn.register_hook``) cannot be seen: code that uses them
 sets ``TDMESH_BACKWARD=client``.  The workers check that their graph has the client's shape
@@ -39,6 +40,7 @@ COUNTS = {"workers": 0, "client": 0}  # backward calls by where they ran (tests 
 
 _RUN = "tdmesh.worker.backward.run_backward"
 _DROP = "tdmesh.worker.backward.drop_graphs"
+_GRAD = "tdmesh.worker.backward.run_grad"
 _SET = "tdmesh.worker.backward.set_requires_grad"
 _ACCUMULATE = type(torch.ones(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
 _hooked: set[int] = set()  # sequence numbers of nodes whose tensors have hooks or retain_grad
@@ -209,6 +211,46 @@ def _run_on_workers(plan, roots: list, grad_roots: list, retain_graph: bool) -> 
         saved.release(seqs)
 
 
+def _grad(run_on_client, func, args: tuple, kwargs: dict):
+    """``torch.autograd.grad``: on the workers where the graph allows it and every input is a leaf
+    of it (gradients returned, nothing accumulated); else the client's engine (unused inputs, a
+    non-leaf input, ``create_graph``, batched gradients: its errors and Nones are torch's)."""
+    params = dict(zip(("outputs", "inputs", "grad_outputs", "retain_graph", "create_graph", "only_inputs",
+                       "allow_unused", "is_grads_batched", "materialize_grads"), args)) | kwargs
+    roots, inputs = _as_list(params.get("outputs")), _as_list(params.get("inputs"))
+    grad_roots = _as_list(params.get("grad_outputs")) or [None] * len(roots)
+    create_graph = bool(params.get("create_graph"))
+    retain = params.get("retain_graph")
+    retain_graph = create_graph if retain is None else bool(retain)
+    plan = None
+    if (saved.workers_run_backward() and roots and inputs and len(grad_roots) == len(roots) and not create_graph
+            and not params.get("is_grads_batched") and not _in_backward()):
+        plan = _plan(roots, grad_roots)
+        if plan is not None and not all(any(x is leaf for leaf in plan[3]) for x in inputs):
+            _client("an input is not a leaf the graph reaches (torch's engine answers for it)")
+            plan = None
+    if plan is None:
+        COUNTS["client"] += 1
+        out = run_on_client(func, args, kwargs)
+        if roots and type(roots[0]) is Tensor and not retain_graph:
+            _drop_on_workers(roots)
+        return out
+    COUNTS["workers"] += 1
+    mesh, stream, seqs, _, shape = plan
+    with torch._C.DisableTorchFunction():
+        new = [New(TensorMeta(x._meta.size, x._meta.stride, 0, x._meta.dtype), device=x.device) for x in inputs]
+    wire = to_wire((list(roots), list(grad_roots), list(inputs), retain_graph, shape))
+
+    def build(seq, results, _mutated):
+        return m.CallFunction(seq, results, (), _GRAD, wire, {}, stream.id)
+
+    made = issue(mesh, build, inputs=list(roots) + [g for g in grad_roots if g is not None] + list(inputs),
+                 outputs=new, stream=stream)
+    if not retain_graph:
+        saved.release(seqs)
+    return tuple(made)
+
+
 def _drop_on_workers(roots: list) -> None:
     """The client's engine ran this backward: the workers free their copy of its graph."""
     first = roots[0]
@@ -233,14 +275,8 @@ def _as_list(x) -> list:
 
 def backward(run_on_client, func, args: tuple, kwargs: dict):
     """``Tensor.backward`` / ``torch.autograd.backward`` under an active mesh."""
-    if func is torch.autograd.grad:  # gradients returned, not accumulated: the client's engine
-        params = dict(zip(("outputs", "inputs", "grad_outputs", "retain_graph", "create_graph"), args)) | kwargs
-        out = run_on_client(func, args, kwargs)
-        retain = params.get("retain_graph")
-        roots = _as_list(params.get("outputs"))
-        if roots and type(roots[0]) is Tensor and not (params.get("create_graph") if retain is None else retain):
-            _drop_on_workers(roots)
-        return out
+    if func is torch.autograd.grad:
+        return _grad(run_on_client, func, args, kwargs)
     if func is torch.Tensor.backward:
         params = dict(zip(("self", "gradient", "retain_graph", "create_graph", "inputs"), args)) | kwargs
         roots = [params.get("self")]

@@ -19,7 +19,7 @@ import torch
 from ..protocol.graph_digest import digest, reachable
 from .streams import current_stream
 
-__all__ = ["set_requires_grad", "run_backward", "drop_graphs", "detach_results"]
+__all__ = ["set_requires_grad", "run_backward", "run_grad", "drop_graphs", "detach_results"]
 
 _state = {"mirrored": False}  # whether a client mirrored a leaf's requires_grad into this process
 
@@ -63,13 +63,7 @@ def run_backward(roots: list, grad_roots: list, leaves: list, grads: list, retai
     Refuses (every result poisoned, nothing accumulated) when this worker's graph is not the
     client's (``expected`` is the client's digest) or when torch leaves a leaf without a
     gradient that the client made a proxy for."""
-    nodes, edges = reachable([r.grad_fn for r in roots])
-    found = digest(nodes, edges)
-    if found != tuple(expected):
-        raise RuntimeError(
-            f"tdmesh: this worker's autograd graph is not the client's (nodes, edges, names: {found} here, "
-            f"{tuple(expected)} on the client), so its gradients would not be the ones asked for; nothing was "
-            f"computed.  This is a tdmesh bug: please report it, and run with TDMESH_BACKWARD=client meanwhile")
+    _check_graph(roots, expected)
     for leaf, grad in zip(leaves, grads):
         leaf.grad = grad
     torch.autograd.backward(roots, [g for g in grad_roots] if any(g is not None for g in grad_roots) else None,
@@ -81,11 +75,43 @@ def run_backward(roots: list, grad_roots: list, leaves: list, grads: list, retai
             raise RuntimeError(f"tdmesh: backward gave leaf {i} of this graph ({tuple(leaf.shape)}) no gradient, "
                                f"where the client expected one; run with TDMESH_BACKWARD=client for this model")
         if had is None:
-            if grad.storage_offset() != 0 or grad.stride() != leaf.stride():  # the client's proxy has the leaf's
-                laid_out = torch.empty_strided(leaf.shape, leaf.stride(), dtype=grad.dtype, device=grad.device)
-                grad = leaf.grad = laid_out.copy_(grad)
+            laid_out = _laid_out_as(leaf, grad)
+            if laid_out is not grad:
+                grad = leaf.grad = laid_out
             new.append(grad)
     return tuple(new)
+
+
+def run_grad(roots: list, grad_roots: list, inputs: list, retain_graph: bool, expected: tuple[int, int, int]) -> tuple:
+    """``torch.autograd.grad(roots, inputs, grad_roots)``: the gradients, laid out as their inputs
+    (the client made their proxies so), where every input has one (the client checked it is in the graph)."""
+    _check_graph(roots, expected)
+    grads = torch.autograd.grad(roots, inputs, [g for g in grad_roots] if any(g is not None for g in grad_roots)
+                                else None, retain_graph=retain_graph, allow_unused=True)
+    out = []
+    for i, (x, grad) in enumerate(zip(inputs, grads)):
+        if grad is None:
+            raise RuntimeError(f"tdmesh: backward gave input {i} ({tuple(x.shape)}) no gradient, where the client "
+                               f"expected one; run with TDMESH_BACKWARD=client for this model")
+        out.append(_laid_out_as(x, grad))
+    return tuple(out)
+
+
+def _laid_out_as(like: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``like``'s strides and no offset, as the client's proxy of it says (a copy where not)."""
+    if grad.storage_offset() == 0 and grad.stride() == like.stride():
+        return grad
+    return torch.empty_strided(like.shape, like.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
+def _check_graph(roots: list, expected) -> None:
+    nodes, edges = reachable([r.grad_fn for r in roots])
+    found = digest(nodes, edges)
+    if found != tuple(expected):
+        raise RuntimeError(
+            f"tdmesh: this worker's autograd graph is not the client's (nodes, edges, names: {found} here, "
+            f"{tuple(expected)} on the client), so its gradients would not be the ones asked for; nothing was "
+            f"computed.  This is a tdmesh bug: please report it, and run with TDMESH_BACKWARD=client meanwhile")
 
 
 def drop_graphs(roots: list) -> None:

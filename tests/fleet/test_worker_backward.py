@@ -240,3 +240,27 @@ def test_no_grad_regions_are_not_recorded_on_the_workers(mesh2x2):
         _, where = _where(lambda: model(x).sum().backward())
         assert where == (1, 0)
         assert torch.isfinite(fetch_shard(model[0].weight.grad).result()).all()
+
+
+def test_autograd_grad_runs_on_the_workers_and_leaves_dot_grad_alone(mesh2x2, monkeypatch):
+    with mesh2x2.activate():
+        model = _model()
+        x = torch.randn(4, 6)
+        params = list(model.parameters())
+        loss = model(x).square().mean()
+        first = mesh2x2.client.last_seq
+        got, where = _where(lambda: torch.autograd.grad(loss, params))
+        assert where == (1, 0) and mesh2x2.client.last_seq - first == 1
+        assert all(p.grad is None for p in params) and all(g.shape == p.shape for g, p in zip(got, params))
+        got = fetch_shard(list(got)).result()
+        monkeypatch.setenv("TDMESH_BACKWARD", "client")
+        want = fetch_shard(list(torch.autograd.grad(model(x).square().mean(), params))).result()
+        bias = model[3].bias
+        out = model(x).sum()
+        # an input the graph does not reach: torch's engine answers (None with allow_unused, else its error)
+        monkeypatch.setenv("TDMESH_BACKWARD", "auto")
+        unused = torch.zeros(2, requires_grad=True)
+        (none, g), where = _where(lambda: torch.autograd.grad(out, [unused, bias], allow_unused=True))
+        assert none is None and where == (0, 1) and fetch_shard(g).result().tolist() == [4.0, 4.0, 4.0]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
