@@ -329,13 +329,27 @@ def overlapped_step(model, opt, mesh, bf16: bool = False, set_to_none: bool = Tr
     reduce it while they compute the rest of backward (one borrow and one collective a bucket,
     not one a gradient).  ``how``: ``"generator"`` iterates ``tdmesh.grad_generator``;
     ``"hooks"`` runs torch's own backward with a post-accumulate-grad hook per parameter
-    (registered at the first step, as DDP registers its hooks once).
+    (registered at the first step, as DDP registers its hooks once); ``"workers"`` registers the
+    parameters with ``tdmesh.reduce_grads_in_backward`` once and the workers' own backward reduces
+    their buckets as it goes (``buckets`` does not apply: DDP's sizes).
     ``set_to_none``: ``opt.zero_grad``'s; a new gradient is copied into its view (with kept
     gradients backward accumulates into the views themselves)."""
     import torch
 
     import tdmesh
     params = [p for p in model.parameters() if p.requires_grad]
+    if how == "workers":
+        tdmesh.reduce_grads_in_backward(params, mesh.names, "avg")
+
+        def reduced_in_backward(x, y):
+            with torch.autocast(mesh.device_type, dtype=torch.bfloat16, enabled=bf16):
+                loss = model(x, y)
+            opt.zero_grad(set_to_none=set_to_none)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        reduced_in_backward.buckets = lambda: 0  # type: ignore[attr-defined]  # the workers' own
+        return reduced_in_backward
     comms = tdmesh.Stream("grad_reduce")
     plan: dict = {}
 

@@ -53,8 +53,9 @@ def main(argv=None) -> None:
                    help="zero_grad(set_to_none=False): the same gradient tensors every step (default: torch's "
                         "default, new gradients every step, which a compiled step rewrites as its state)")
     p.add_argument("--overlap", action="store_true",
-                   help="also the eager step with gradients reduced bucket by bucket while backward runs, on a "
-                        "second stream: through tdmesh.grad_generator and through post-accumulate-grad hooks")
+                   help="also the eager step with gradients reduced bucket by bucket while backward runs: by the "
+                        "workers' own backward (tdmesh.reduce_grads_in_backward), and on a second stream through "
+                        "tdmesh.grad_generator and through post-accumulate-grad hooks")
     p.add_argument("--buckets", type=int, default=None,
                    help="buckets of --overlap's reduction (default: DDP's sizes, the first 1 MiB, the others 25 MiB)")
     p.add_argument("--rounds", type=int, default=5, help="rounds of --overlap's alternating measurement")
@@ -196,7 +197,8 @@ def main(argv=None) -> None:
         overlapped: dict = {}
         if args.overlap:  # rounds of --steps steps, the three variants in turn (this VM's noise is
             # larger than the difference): each its own fresh model, trained the same steps
-            steps_of = {how: fresh(how if how != "eager" else None) for how in ("eager", "generator", "hooks")}
+            steps_of = {how: fresh(how if how != "eager" else None) for how in ("eager", "workers", "generator",
+                                                                                  "hooks")}
             for fn in steps_of.values():
                 for i in range(SETUP_STEPS):
                     loss = fn(*batch(data, args.batch_size, cfg.block_size, rank, i))
@@ -242,7 +244,8 @@ def main(argv=None) -> None:
     if overlapped:
         print(f"  --overlap, {args.rounds} rounds of {args.steps} steps in turn, median step (and issue) time; "
               f"{steps_of['hooks'].buckets()} bucket(s) ({'DDP sizes' if args.buckets is None else '--buckets'}) "
-              f"reduced on a second stream while backward runs:")
+              f"reduced while backward runs (workers: by the workers' backward, DDP sizes; generator, hooks: on a "
+              f"second stream):")
         median = {how: sorted(rows)[len(rows) // 2] for how, rows in overlapped.items()}
         for how, (step_s, _, issue_o, client_c, workers_c) in median.items():
             rounds = " ".join(f"{r[0] * 1e3:.2f}" for r in overlapped[how])

@@ -11,7 +11,7 @@ from . import (
     random,
 )
 from .borrow import Borrow
-from .collectives import MeshSliceTensor, reduce, reduce_, slice_mesh, to_mesh
+from .collectives import GradReduction, MeshSliceTensor, reduce, reduce_, reduce_grads_in_backward, slice_mesh, to_mesh
 from .config import ControllerParams, SupervisionParams
 from .engine.activation import no_mesh
 from .engine.coalescing import coalescing
@@ -41,7 +41,8 @@ __all__ = [
     "SupervisionParams", "Future", "Tensor", "Remote", "remote",
     "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
-    "MeshSliceTensor", "reduce", "reduce_", "slice_mesh", "to_mesh", "coalescing", "compile", "profile", "fetch_all",
+    "MeshSliceTensor", "reduce", "reduce_", "reduce_grads_in_backward", "GradReduction", "slice_mesh", "to_mesh",
+    "coalescing", "compile", "profile", "fetch_all",
     "show", "attach", "random", "UsageError", "ObjectHandle", "ObjectMethod", "set_log_level", "as_completed",
     "LoggingLocation", "checkpoint", "grad_generator", "grad_function", "gradient_execution_order",
     "stacks", "dashboard", "stop_dashboard",

@@ -10,22 +10,25 @@ The tensor methods ``reduce``, ``reduce_``, ``to_mesh`` and ``slice_mesh`` are d
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import NamedTuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .engine import backward as engine_backward
 from .engine.dispatch import ship_local
 from .engine.issue import New, issue
 from .engine.placement import check_inputs, check_mutation, check_no_grad
 from .engine.propagation import TensorMeta
 from .engine.stream import get_active_stream
-from .engine.tensor import Tensor
-from .errors import user_line
+from .engine.tensor import Tensor, describe
+from .errors import UsageError, user_line
 from .geometry.grouping import normalize_dims, to_mesh_plan
 from .protocol import messages as m
 
-__all__ = ["reduce", "reduce_", "to_mesh", "slice_mesh", "MeshSliceTensor", "REDUCTIONS"]
+__all__ = ["reduce", "reduce_", "reduce_grads_in_backward", "GradReduction", "to_mesh", "slice_mesh",
+           "MeshSliceTensor", "REDUCTIONS"]
 
 REDUCTIONS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "stack")
 
@@ -165,6 +168,57 @@ def _reduce_many(leaves: list, dims, reduction: str) -> None:
     factories = tuple(p.factory for p in plans)
     issue(first.mesh, lambda seq, results, mutated: m.ReduceMany(seq, refs, factories, group, reduction, stream.id),
           inputs=leaves, mutated=leaves, stream=stream)
+
+
+class GradReduction:
+    """What :func:`reduce_grads_in_backward` returns: ``remove()`` stops the reduction."""
+
+    def __init__(self, params: list, spec: tuple) -> None:
+        self._params = [weakref.ref(p) for p in params]
+        self._spec = spec
+
+    def remove(self) -> None:
+        for ref in self._params:
+            p = ref()
+            if p is not None and getattr(p, "_reduce_in_backward", None) is self._spec:
+                p._reduce_in_backward = None
+        engine_backward.REDUCING[0] -= 1
+
+
+def reduce_grads_in_backward(params, dims=(), reduction: str = "avg") -> GradReduction:
+    """From now on, each backward reduces these parameters' gradients over ``dims`` of their
+    mesh (``"avg"``: DDP's data parallelism; or ``"sum"``) while it runs, as DDP overlaps its
+    all-reduce with backward: where the workers run the backward (``tdmesh/engine/backward.py``)
+    each fills DDP-sized buckets and starts a bucket's collective as soon as its gradients are
+    in (``tdmesh/worker/overlap.py``); where the client's engine runs it, the gradients are
+    reduced in one ``reduce_`` after it.  ``.grad`` after ``backward()`` is the reduced gradient
+    either way.  As with DDP, a gradient accumulated over several backward calls is reduced at
+    each of them."""
+    params = [p for p in params]
+    if reduction not in ("avg", "sum"):
+        raise ValueError(f"reduce_grads_in_backward reduces gradients by 'avg' or 'sum', not {reduction!r}"
+                         f"\n  at {user_line()}")
+    if not params:
+        raise ValueError(f"reduce_grads_in_backward: no parameters given\n  at {user_line()}")
+    first = params[0]
+    for p in params:
+        if type(p) is not Tensor or p._mesh is not first._mesh or p._stream is not first._stream:
+            raise UsageError(f"reduce_grads_in_backward: every parameter must be a tensor of one mesh and "
+                             f"stream, got {describe(p)}\n  at {user_line()}")
+    spec = (_plan(first, dims, reduction, False, True).dims, reduction)
+    for p in params:
+        p._reduce_in_backward = spec  # read by each backward (engine/backward.py)
+    engine_backward.REDUCING[0] += 1
+    return GradReduction(params, spec)
+
+
+def _reduce_after_client_backward(groups: dict) -> None:
+    """A backward the client's engine ran: its registered gradients, reduced after it."""
+    for (dims, reduction), grads in groups.items():
+        reduce_(grads, dims, reduction)
+
+
+engine_backward.REDUCE_AFTER_CLIENT_BACKWARD[0] = _reduce_after_client_backward
 
 
 class MeshSliceTensor:

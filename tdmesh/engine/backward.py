@@ -37,6 +37,8 @@ from .wire import to_wire
 __all__ = ["backward", "mirror_requires_grad", "COUNTS"]
 
 COUNTS = {"workers": 0, "client": 0}  # backward calls by where they ran (tests and benchmarks read it)
+REDUCING = [0]  # live tdmesh.reduce_grads_in_backward registrations
+REDUCE_AFTER_CLIENT_BACKWARD: list = [None]  # set by tdmesh.collectives: {(dims, reduction): grads} -> None
 
 _RUN = "tdmesh.worker.backward.run_backward"
 _DROP = "tdmesh.worker.backward.drop_graphs"
@@ -137,10 +139,12 @@ def _plan(roots: list, grad_roots: list):
         saved_by_node = saved.saved_by_node()
         seqs: list[int] = []
         leaves: list = []
+        order: list[int] = []  # each leaf's accumulator's number: made at the leaf's first use in the forward
         for node in nodes:
             kind = type(node)
             if kind is _ACCUMULATE:
                 leaf = node.variable
+                order.append(node._sequence_nr())
                 if not _mirrored_leaf(leaf, mesh, stream):
                     if type(leaf) is Tensor and leaf._mesh is mesh and getattr(leaf, "_wgrad", False) is False:
                         mirror_requires_grad(leaf, True)  # the next forward records it on the workers
@@ -158,7 +162,7 @@ def _plan(roots: list, grad_roots: list):
             if entry is saved.RELEASED:
                 raise saved.freed_error()  # a second backward through it, as torch raises
             seqs.append(seq)
-    return mesh, stream, seqs, leaves, digest(nodes, edges)
+    return mesh, stream, seqs, leaves, digest(nodes, edges), order
 
 
 def _client(reason: str) -> None:
@@ -189,13 +193,14 @@ def _mirrored_leaf(leaf, mesh, stream) -> bool:
 
 
 def _run_on_workers(plan, roots: list, grad_roots: list, retain_graph: bool) -> None:
-    mesh, stream, seqs, leaves, shape = plan
+    mesh, stream, seqs, leaves, shape, order = plan
     with torch._C.DisableTorchFunction():
         grads = [leaf.grad for leaf in leaves]
         new = [New(TensorMeta(leaf._meta.size, leaf._meta.stride, 0, leaf._meta.dtype), device=leaf.device)
                for leaf, g in zip(leaves, grads) if g is None]
     existing = [g for g in grads if g is not None]
-    args = to_wire((list(roots), list(grad_roots), leaves, grads, retain_graph, shape))
+    args = to_wire((list(roots), list(grad_roots), leaves, grads, retain_graph, shape,
+                    _reduce_plans(mesh, stream, leaves, order) if REDUCING[0] else ()))
 
     def build(seq, results, mutated):
         return m.CallFunction(seq, results, mutated, _RUN, args, {}, stream.id)
@@ -236,7 +241,7 @@ def _grad(run_on_client, func, args: tuple, kwargs: dict):
             _drop_on_workers(roots)
         return out
     COUNTS["workers"] += 1
-    mesh, stream, seqs, _, shape = plan
+    mesh, stream, seqs, _, shape, _ = plan
     with torch._C.DisableTorchFunction():
         new = [New(TensorMeta(x._meta.size, x._meta.stride, 0, x._meta.dtype), device=x.device) for x in inputs]
     wire = to_wire((list(roots), list(grad_roots), list(inputs), retain_graph, shape))
@@ -249,6 +254,35 @@ def _grad(run_on_client, func, args: tuple, kwargs: dict):
     if not retain_graph:
         saved.release(seqs)
     return tuple(made)
+
+
+def _reduce_plans(mesh, stream, leaves: list, order: list[int]) -> tuple:
+    """``(leaf indices, group id, reduction)`` per registered (dims, reduction): the leaves whose
+    gradients ``tdmesh.reduce_grads_in_backward`` reduces during this backward, latest first
+    used first (about the order backward completes them: DDP reverses its parameters' order)."""
+    by_spec: dict = {}
+    for i in sorted(range(len(leaves)), key=lambda i: -order[i]):
+        spec = getattr(leaves[i], "_reduce_in_backward", None)
+        if spec is not None:
+            by_spec.setdefault(spec, []).append(i)
+    client = mesh.client
+    return tuple((tuple(indices), client.ensure_groups("dims", stream.id, mesh.shape, dims), reduction)
+                 for (dims, reduction), indices in by_spec.items())
+
+
+def _reduce_after_client(roots: list) -> None:
+    """The client's engine ran a backward: reduce the registered gradients it made, now."""
+    groups: dict = {}
+    with torch._C.DisableTorchFunction():
+        nodes, _ = reachable([r.grad_fn for r in roots if type(r) is Tensor])
+        for node in nodes:
+            if type(node) is _ACCUMULATE:
+                leaf = node.variable  # type: ignore[union-attr]
+                spec = getattr(leaf, "_reduce_in_backward", None)
+                if spec is not None and leaf.grad is not None:
+                    groups.setdefault(spec, []).append(leaf.grad)
+    if groups:
+        REDUCE_AFTER_CLIENT_BACKWARD[0](groups)
 
 
 def _drop_on_workers(roots: list) -> None:
@@ -298,6 +332,8 @@ def backward(run_on_client, func, args: tuple, kwargs: dict):
         return None
     COUNTS["client"] += 1
     out = run_on_client(func, args, kwargs)
+    if REDUCING[0] and roots:
+        _reduce_after_client(roots)
     if roots and type(roots[0]) is Tensor and not retain_graph:
         _drop_on_workers(roots)
     return out

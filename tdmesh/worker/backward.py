@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..protocol.graph_digest import digest, reachable
+from .overlap import Overlap
 from .streams import current_stream
 
 __all__ = ["set_requires_grad", "run_backward", "run_grad", "drop_graphs", "detach_results"]
@@ -55,19 +56,33 @@ def detach_results(value):
 
 
 def run_backward(roots: list, grad_roots: list, leaves: list, grads: list, retain_graph: bool,
-                 expected: tuple[int, int, int]) -> tuple:
+                 expected: tuple[int, int, int], reduce: tuple = ()) -> tuple:
     """``torch.autograd.backward(roots, grad_roots, inputs=leaves)`` with each leaf's ``.grad``
     first set to what the client's proxy holds (``grads``: a tensor or None); returns the new
     gradients of the leaves that had none, in order (the client made their proxies).
 
     Refuses (every result poisoned, nothing accumulated) when this worker's graph is not the
     client's (``expected`` is the client's digest) or when torch leaves a leaf without a
-    gradient that the client made a proxy for."""
-    _check_graph(roots, expected)
-    for leaf, grad in zip(leaves, grads):
-        leaf.grad = grad
-    torch.autograd.backward(roots, [g for g in grad_roots] if any(g is not None for g in grad_roots) else None,
-                            retain_graph=retain_graph, inputs=leaves)
+    gradient that the client made a proxy for.  ``reduce``: ``(leaf indices, group id, reduction)``
+    of the gradients to reduce while backward runs (``tdmesh.worker.overlap``)."""
+    overlap = None
+    if reduce:
+        from .interpreter import Interpreter  # its process groups (this runs on one of its streams)
+        groups = Interpreter.current.groups  # type: ignore[union-attr]
+        overlap = Overlap(leaves, [(indices, groups.by_id(group), how) for indices, group, how in reduce])
+    try:
+        _check_graph(roots, expected)
+        for leaf, grad in zip(leaves, grads):
+            leaf.grad = grad
+        torch.autograd.backward(roots, [g for g in grad_roots] if any(g is not None for g in grad_roots) else None,
+                                retain_graph=retain_graph, inputs=leaves)
+    except BaseException:
+        if overlap is not None:  # peers are in (or will start) the same collectives: take part, with zeros
+            overlap.finish(failed=True)
+        raise
+    if overlap is not None and not overlap.finish(failed=False):
+        raise RuntimeError("tdmesh: a gradient to reduce during backward was not made on this rank; its buckets "
+                           "were reduced with zeros so that no peer waits")
     new = []
     for i, (leaf, had) in enumerate(zip(leaves, grads)):
         grad = leaf.grad

@@ -264,3 +264,52 @@ def test_autograd_grad_runs_on_the_workers_and_leaves_dot_grad_alone(mesh2x2, mo
         assert none is None and where == (0, 1) and fetch_shard(g).result().tolist() == [4.0, 4.0, 4.0]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def _wide():
+    torch.manual_seed(1)  # a 1.4 MB weight: DDP's first bucket closes at 1 MiB, so there are two
+    return torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Tanh(), torch.nn.Linear(600, 3))
+
+
+@pytest.mark.parametrize("where", ["workers", "client"])
+def test_gradients_reduced_during_backward_equal_a_reduce_after_it(mesh2x2, monkeypatch, where):
+    """Each rank's own batch; the registered gradients come out of backward averaged over the mesh,
+    bucket by bucket on the workers' backward (or in one reduce_ after the client's), the same values
+    as tdmesh.reduce_ after a plain backward."""
+    def grads(register: bool):
+        tdmesh.random.set_manual_seed_remote(0)  # the same model and batches both times
+        model = _wide()
+        x = torch.randn(4, 600) * (mesh2x2.rank(mesh2x2.names) + 1)
+        handle = tdmesh.reduce_grads_in_backward(model.parameters(), mesh2x2.names, "avg") if register else None
+        for _ in range(2):  # the second backward accumulates, and its total is reduced again (as DDP does)
+            model.zero_grad()
+            _, ran = _where(lambda: model(x).square().mean().backward())
+        if handle is None:
+            tdmesh.reduce_([p.grad for p in model.parameters()], mesh2x2.names, "avg")
+        else:
+            handle.remove()
+        return [[v for _, v in tdmesh.fetch_all(p.grad).result()] for p in model.parameters()], ran
+
+    with mesh2x2.activate():
+        if where == "client":
+            monkeypatch.setenv("TDMESH_BACKWARD", "client")
+        reduced, ran = grads(True)
+        after, _ = grads(False)
+    assert ran == ((1, 0) if where == "workers" else (0, 1))
+    for a, b in zip(reduced, after):  # per parameter, every rank's gradient
+        torch.testing.assert_close(torch.stack(a), torch.stack(b))
+        assert all(torch.equal(a[0], v) for v in a)  # every rank holds the mean
+
+
+def test_a_failed_forward_with_reduction_in_backward_poisons_the_gradients_and_hangs_nobody(mesh2x2):
+    chol = tdmesh.remote(torch.linalg.cholesky, propagate=lambda a: a)
+    with mesh2x2.activate():
+        w = torch.eye(2).requires_grad_()
+        handle = tdmesh.reduce_grads_in_backward([w], mesh2x2.names)
+        (w * chol(-torch.eye(2))).sum().backward()
+        with pytest.raises(tdmesh.RemoteException, match="cholesky|positive-definite"):
+            fetch_shard(w.grad).result()
+        handle.remove()
+        w.grad = None
+        (w * 2).sum().backward()  # the mesh goes on
+        assert fetch_shard(w.grad).result().tolist() == [[2.0, 2.0], [2.0, 2.0]]
