@@ -62,7 +62,7 @@ def test_a_cuda_workers_backward_is_one_message_with_the_gradients_of_the_client
     from tdmesh.engine.backward import COUNTS
 
     def grads():
-        torch.manual_seed(0)
+        tdmesh.random.set_manual_seed_remote(0)  # the workers' generators make the weights and the batch
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
                                     torch.nn.Linear(32, 4))
         x = torch.randn(8, 16)
