@@ -45,7 +45,8 @@ _DROP = "tdmesh.worker.backward.drop_graphs"
 _GRAD = "tdmesh.worker.backward.run_grad"
 _SET = "tdmesh.worker.backward.set_requires_grad"
 _ACCUMULATE = type(torch.ones(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
-_hooked: set[int] = set()  # sequence numbers of nodes whose tensors have hooks or retain_grad
+_hooked: dict[int, None] = {}  # sequence numbers of nodes whose tensors have hooks or retain_grad, oldest first
+_HOOKED_KEPT = 1 << 16  # the newest kept (a model that hooks a tensor every step adds one a step)
 _base_requires_grad = torch._C.TensorBase.requires_grad
 _base_requires_grad_ = torch._C.TensorBase.requires_grad_
 
@@ -86,7 +87,10 @@ def _note_hooked(t) -> None:
     with torch._C.DisableTorchFunction():
         node = t.grad_fn
     if node is not None:
-        _hooked.add(node._sequence_nr())
+        _hooked[node._sequence_nr()] = None
+        if len(_hooked) > _HOOKED_KEPT:
+            for seq in list(_hooked)[: _HOOKED_KEPT // 2]:
+                del _hooked[seq]
 
 
 def _register_hook(self, hook):

@@ -131,7 +131,7 @@ def _hooked(model, x):
 
 
 @pytest.mark.parametrize("case", ["custom_function", "tensor_hook", "retain_grad", "checkpoint", "leaf_hook",
-                                  "create_graph", "inputs"])
+                                  "module_hook", "create_graph", "inputs"])
 def test_what_the_workers_cannot_run_runs_on_the_clients_engine_with_the_same_gradients(mesh2x2, monkeypatch, case):
     def step(model, x):
         seen: list = []
@@ -148,6 +148,9 @@ def test_what_the_workers_cannot_run_runs_on_the_clients_engine_with_the_same_gr
             loss = checkpoint(model, x, use_reentrant=False).sum()
         elif case == "leaf_hook":
             model[3].bias.register_hook(lambda g: g * 3)
+            loss = model(x).sum()
+        elif case == "module_hook":  # torch wraps the module's inputs and outputs in a custom Function
+            model[2].register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 0.5,))
             loss = model(x).sum()
         else:
             loss = model(x).square().sum()
