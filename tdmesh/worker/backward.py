@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..protocol.graph_digest import digest, reachable
+from .groups import Groups
 from .overlap import Overlap
 from .streams import current_stream
 
@@ -67,8 +68,8 @@ def run_backward(roots: list, grad_roots: list, leaves: list, grads: list, retai
     of the gradients to reduce while backward runs (``tdmesh.worker.overlap``)."""
     overlap = None
     if reduce:
-        from .interpreter import Interpreter  # its process groups (this runs on one of its streams)
-        groups = Interpreter.current.groups  # type: ignore[union-attr]
+        groups = Groups.current  # this session's process groups (this runs on one of its streams)
+        assert groups is not None
         overlap = Overlap(leaves, [(indices, groups.by_id(group), how) for indices, group, how in reduce])
     try:
         _check_graph(roots, expected)

@@ -39,7 +39,10 @@ log = logging.getLogger("tdmesh.worker")
 
 
 class Groups:
+    current: Groups | None = None  # this process's (the latest session's): for work that names a group by id
+
     def __init__(self, rank: int, world_size: int) -> None:
+        Groups.current = self
         self.rank = rank
         self.world_size = world_size
         self._groups: dict = {}
