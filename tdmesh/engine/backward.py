@@ -119,8 +119,9 @@ def _contiguous(meta: TensorMeta) -> bool:
 
 
 def _plan(roots: list, grad_roots: list):
-    """``(mesh, stream, nodes' sequence numbers, leaves, digest)`` where the workers can run
-    this backward; None where the client's engine must."""
+    """``(mesh, stream, nodes' sequence numbers, leaves, digest, leaves' accumulator numbers)``
+    where the workers can run this backward; None (the reason in ``CLIENT_REASON``) where the
+    client's engine must."""
     first = roots[0]
     if type(first) is not Tensor:
         return _client("its root is not a mesh tensor")
