@@ -16,12 +16,11 @@ from __future__ import annotations
 import bisect
 import threading
 
-import torch
 from torch._C._autograd import _get_sequence_nr
 
 from . import stream as _stream
 from .context import active_mesh
-from .saved import pack
+from .saved import foreign_hooks_on_top, on_hooks_change
 from .stream import DEFAULT_STREAM, get_active_stream
 
 __all__ = ["note_context", "forward_context", "set_sink"]
@@ -43,8 +42,7 @@ def note_context() -> None:
     now = _get_sequence_nr()
     mesh = active_mesh.get()
     client = getattr(mesh, "client", None)
-    hooks = _hooks.kinds
-    context = (mesh, get_active_stream(), (client is None or client.sink is client) and not (hooks and hooks[-1]))
+    context = (mesh, get_active_stream(), (client is None or client.sink is client) and not foreign_hooks_on_top())
     r = _ranges
     if r.starts[-1] == now:  # no node made since the last change: that context never held one
         r.contexts[-1] = context
@@ -71,6 +69,7 @@ def forward_context(sequence_nr: int) -> tuple | None:
 
 
 _stream.on_change.append(note_context)
+on_hooks_change.append(note_context)
 
 
 def set_sink(client, sink) -> None:
@@ -79,31 +78,3 @@ def set_sink(client, sink) -> None:
     client.sink = sink
     note_context()
 
-
-class _Hooks(threading.local):
-    def __init__(self) -> None:
-        self.kinds: list[bool] = []  # this thread's saved-tensor hooks, bottom first: True where not tdmesh's
-
-
-_hooks = _Hooks()
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-
-
-def _pushed(pack_hook, unpack_hook) -> None:
-    """torch's push of saved-tensor hooks (``saved_tensors_hooks``, ``checkpoint``), noted: nodes made
-    under the user's hooks save what those hooks keep, so their backward stays on the client."""
-    _push_hooks(pack_hook, unpack_hook)
-    _hooks.kinds.append(pack_hook is not pack)
-    note_context()
-
-
-def _popped() -> None:
-    _pop_hooks()
-    if _hooks.kinds:
-        _hooks.kinds.pop()
-    note_context()
-
-
-torch._C._autograd._push_saved_tensors_default_hooks = _pushed
-torch._C._autograd._pop_saved_tensors_default_hooks = _popped

@@ -43,9 +43,13 @@ class Stream:
 
     def submit(self, fn: Callable, msg) -> None:
         """Run ``fn(msg, self)`` on this stream after everything submitted before."""
-        if self._queue is None:
+        if self._queue is None:  # inline (unit tests): on the caller's thread, whose grad mode ops set
             _running.stream = self
-            self._run(fn, msg, raise_errors=True)
+            grad = torch.is_grad_enabled()
+            try:
+                self._run(fn, msg, raise_errors=True)
+            finally:
+                torch._C._set_grad_enabled(grad)
         else:
             self._queue.put((fn, msg))
 
