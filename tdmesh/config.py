@@ -39,7 +39,8 @@ VARIABLES = {
                                       "has cores besides the client's (there an early send only preempts the client)"),
     "TDMESH_BACKWARD": ("auto", "where loss.backward() runs: 'auto' on the workers' own autograd, one message, where "
                                 "the graph allows it (else on the client's engine, one message per backward op: "
-                                "tdmesh/engine/backward.py says when); 'client' always on the client's engine"),
+                                "tdmesh/engine/backward.py says when); 'client' always on the client's engine (read "
+                                "when a mesh is activated and at each backward)"),
     "TDMESH_GC_THRESHOLD": ("5000", "the first threshold of Python's garbage collector while a mesh is live in the "
                                     "client (never lowered; the client's own is put back when its last mesh exits) "
                                     "and in workers, which also freeze what they hold when a session starts "

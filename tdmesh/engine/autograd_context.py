@@ -20,7 +20,7 @@ from torch._C._autograd import _get_sequence_nr
 
 from . import stream as _stream
 from .context import active_mesh
-from .saved import foreign_hooks_on_top, on_hooks_change
+from .saved import on_hooks_change, ours_on_top
 from .stream import DEFAULT_STREAM, get_active_stream
 
 __all__ = ["note_context", "forward_context", "set_sink"]
@@ -42,7 +42,7 @@ def note_context() -> None:
     now = _get_sequence_nr()
     mesh = active_mesh.get()
     client = getattr(mesh, "client", None)
-    context = (mesh, get_active_stream(), (client is None or client.sink is client) and not foreign_hooks_on_top())
+    context = (mesh, get_active_stream(), (client is None or client.sink is client) and ours_on_top())
     r = _ranges
     if r.starts[-1] == now:  # no node made since the last change: that context never held one
         r.contexts[-1] = context

@@ -128,10 +128,10 @@ _push = torch._C._autograd._push_saved_tensors_default_hooks
 _pop = torch._C._autograd._pop_saved_tensors_default_hooks
 
 
-def foreign_hooks_on_top() -> bool:
-    """Whether the user's saved-tensor hooks (``checkpoint``, ``save_on_cpu``) take what nodes save now."""
-    foreign = _hooks.foreign
-    return bool(foreign) and foreign[-1]
+def ours_on_top() -> bool:
+    """Whether tdmesh's saved-tensor hooks take what nodes save now (not the user's, ``checkpoint`` say,
+    nor none: outside an activation, or with ``TDMESH_BACKWARD=client`` when it began)."""
+    return _hooks.ours_on_top
 
 
 def _pushed(pack_hook, unpack_hook) -> None:

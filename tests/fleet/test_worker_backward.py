@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 import tdmesh
@@ -316,3 +318,59 @@ def test_a_failed_forward_with_reduction_in_backward_poisons_the_gradients_and_h
         w.grad = None
         (w * 2).sum().backward()  # the mesh goes on
         assert fetch_shard(w.grad).result().tolist() == [[2.0, 2.0], [2.0, 2.0]]
+
+
+_ACTIVATIONS = {"tanh": torch.tanh, "relu": torch.relu, "gelu": F.gelu, "sigmoid": torch.sigmoid, "exp": torch.exp,
+                "square": torch.square}
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(widths=st.lists(st.integers(1, 9), min_size=2, max_size=5),
+       acts=st.lists(st.sampled_from(sorted(_ACTIVATIONS)), min_size=4, max_size=4),
+       norm=st.booleans(), batch=st.integers(1, 5), reuse=st.booleans(), reduction=st.sampled_from(["sum", "mean"]))
+def test_drawn_graphs_give_the_clients_gradients_on_the_workers(mesh2x2, monkeypatch, widths, acts, norm, batch,
+                                                                  reuse, reduction):
+    """Differential: hypothesis draws a graph (layer widths, activations, a LayerNorm, a tensor used twice,
+    views and reductions); its gradients from the workers' own autograd equal the client's engine's."""
+    def grads(mode: str):
+        monkeypatch.setenv("TDMESH_BACKWARD", mode)
+        tdmesh.random.set_manual_seed_remote(0)
+        layers = [torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])]
+        params = [p for layer in layers for p in layer.parameters()]
+        h = torch.randn(batch, widths[0])
+        first = None
+        for i, layer in enumerate(layers):
+            h = _ACTIVATIONS[acts[i % len(acts)]](layer(h)).clamp(-5, 5)
+            if norm and h.shape[-1] > 1:
+                h = F.layer_norm(h, h.shape[-1:])
+            first = h if first is None else first
+        out = h.reshape(-1)
+        if reuse and first.shape == h.shape:
+            out = out + (first * h).t().reshape(-1)
+        loss = out.sum() if reduction == "sum" else out.mean()
+        before = dict(worker_backward.COUNTS)
+        loss.backward()
+        assert worker_backward.COUNTS[mode if mode == "client" else "workers"] == before[
+            mode if mode == "client" else "workers"] + 1
+        return fetch_shard([p.grad for p in params]).result()
+
+    monkeypatch.setenv("TDMESH_BACKWARD", "auto")  # read when the mesh is activated (its saved-tensor hooks)
+    with mesh2x2.activate():
+        on_workers = grads("auto")
+        on_client = grads("client")
+    for a, b in zip(on_workers, on_client):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_forward_the_workers_did_not_record_runs_its_backward_on_the_client(mesh2x2, monkeypatch):
+    """``TDMESH_BACKWARD`` is read when a mesh is activated (its saved-tensor hooks) and at each backward:
+    a forward issued under 'client' that meets a backward under 'auto' stays on the client's engine
+    (hypothesis found the workers refusing it, by its digest, before the nodes were marked)."""
+    monkeypatch.setenv("TDMESH_BACKWARD", "client")
+    with mesh2x2.activate():
+        w = torch.ones(3).requires_grad_()
+        loss = (w.exp() * 2).sum()
+        monkeypatch.setenv("TDMESH_BACKWARD", "auto")
+        _, where = _where(loss.backward)
+        assert where == (0, 1)
+        assert torch.allclose(fetch_shard(w.grad).result(), torch.full((3,), 2 * torch.e))
