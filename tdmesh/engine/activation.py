@@ -24,7 +24,7 @@ from .. import errors
 from ..errors import UsageError, backward_sites, call_site, note_engine_code, user_line
 from . import saved
 from .autograd_context import note_context
-from .backward import backward
+from .backward import backward, mirror_requires_grad
 from .context import active_mesh, active_mesh_or_none
 from .dispatch import MESH_MODE, ship_local
 from .tensor import Tensor
@@ -166,6 +166,23 @@ def _with_backward_site(func, args, kwargs):
                 break
 
 
+def _set_data(func, args, kwargs):
+    """``p.data = new`` (``module.to(dtype)``, ``.half()``: torch's default for parameters): the proxy
+    takes ``new``'s worker value, not only its metadata (before, ``p`` went on naming its old value
+    on the workers); a leaf that requires grad is made to require it there again."""
+    proxy, new = args
+    if type(proxy) is not Tensor or type(new) is not Tensor:
+        return NotImplemented
+    with torch._C.DisableTorchFunction():
+        func(proxy, new)
+        leaf_requires_grad = proxy.requires_grad and proxy.grad_fn is None
+    proxy._r, proxy._meta, proxy._mesh, proxy._stream = new._r, new._meta, new._mesh, new._stream
+    proxy._wgrad = False
+    if leaf_requires_grad:
+        mirror_requires_grad(proxy, True)
+    return None
+
+
 def _backward(func, args, kwargs):
     """A backward call: one message where the workers can run it (``tdmesh.engine.backward``)."""
     return backward(_with_backward_site, func, args, kwargs)
@@ -174,7 +191,7 @@ def _backward(func, args, kwargs):
 _SPECIAL = {torch.tensor: _ship, torch.as_tensor: _ship, torch.asarray: _ship,
             torch.tensor_split: _split_by_remote_indices, torch.Tensor.tensor_split: _split_by_remote_indices,
             torch.Tensor.backward: _backward, torch.autograd.backward: _backward,
-            torch.autograd.grad: _backward}
+            torch.autograd.grad: _backward, vars(torch._C.TensorBase)["data"].__set__: _set_data}
 _engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
 if _engine is not None:  # torch's one Python function that runs the engine (2.11 and 2.13 have it)
     note_engine_code(_engine.__code__)

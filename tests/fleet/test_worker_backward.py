@@ -374,3 +374,22 @@ def test_a_forward_the_workers_did_not_record_runs_its_backward_on_the_client(me
         _, where = _where(loss.backward)
         assert where == (0, 1)
         assert torch.allclose(fetch_shard(w.grad).result(), torch.full((3,), 2 * torch.e))
+
+
+def test_module_to_a_dtype_converts_the_workers_values(mesh2x2):
+    """``module.half()`` / ``.to(dtype)`` set each parameter's ``.data``: the proxy takes the converted
+    value on the workers (it went on naming the old one: a float64 model failed at its first matmul, and
+    ``.half().float()`` kept the unrounded weights), and stays a leaf the workers' backward reaches."""
+    with mesh2x2.activate():
+        model = _model()
+        before = fetch_shard(model[0].weight.detach()).result()
+        model.half()
+        model.float()
+        after = fetch_shard(model[0].weight.detach()).result()
+        model.to(torch.float64)
+        loss = model(torch.randn(4, 6, dtype=torch.float64)).sum()
+        _, where = _where(loss.backward)
+        assert where == (1, 0)
+        grad = fetch_shard(model[0].weight.grad).result()
+    assert torch.equal(after, before.half().float()) and not torch.equal(after, before)
+    assert grad.dtype == torch.float64 and grad.shape == (8, 6)
