@@ -11,8 +11,8 @@ client can describe, the backward is one call of ``tdmesh.worker.backward.run_ba
 client makes the proxies of the new gradients (as ``AccumulateGrad`` would) and frees what its
 graph saved; ``torch.autograd.grad`` of leaves likewise returns the new proxies.  Anything else
 (custom ``autograd.Function``s, hooks, ``retain_grad``, ``create_graph``, ``inputs=``, a
-pipeline's meshes, checkpointing, anomaly mode) runs on the
-client's engine as before, and the workers drop their copy of the graph.  Hooks registered
+pipeline's meshes, checkpointing, anomaly mode) runs on the client's engine as before, and the
+workers drop their copy of the graph.  Hooks registered
 on autograd nodes themselves (``grad_fn.register_hook``) cannot be seen: code that uses them
 sets ``TDMESH_BACKWARD=client``.  The workers check that their graph has the client's shape
 before running it (``tdmesh.protocol.graph_digest``).
@@ -49,11 +49,6 @@ _hooked: dict[int, None] = {}  # sequence numbers of nodes whose tensors have ho
 _HOOKED_KEPT = 1 << 16  # the newest kept (a model that hooks a tensor every step adds one a step)
 _base_requires_grad = torch._C.TensorBase.requires_grad
 _base_requires_grad_ = torch._C.TensorBase.requires_grad_
-
-
-def _leaf_is(t) -> bool:
-    with torch._C.DisableTorchFunction():
-        return t.grad_fn is None
 
 
 def mirror_requires_grad(t: Tensor, flag: bool) -> None:
