@@ -178,10 +178,13 @@ class GradReduction:
         self._spec = spec
 
     def remove(self) -> None:
+        if not self._params:
+            return  # removed already
         for ref in self._params:
             p = ref()
             if p is not None and getattr(p, "_reduce_in_backward", None) is self._spec:
                 p._reduce_in_backward = None
+        self._params = []
         engine_backward.REDUCING[0] -= 1
 
 

@@ -3,7 +3,7 @@
 The client's autograd records every forward (``requires_grad``, ``grad_fn`` and errors are
 torch's own), and so do the workers: leaves the client makes require grad are mirrored
 (``requires_grad_``, the ``requires_grad`` setter and factories' ``requires_grad=True``), and
-each op runs there in the client's grad mode (``saved.recording_grad``).  At ``backward`` the
+each op runs there in the client's grad mode (``saved.workers_record``).  At ``backward`` the
 client walks its graph; where every node is one the workers recorded (an aten op of this mesh
 and stream, issued under tdmesh's saved-tensor hooks, not traced by a compiled function), no
 node or non-leaf tensor has a hook, and every leaf is a mirrored proxy whose gradient the
@@ -56,10 +56,9 @@ def mirror_requires_grad(t: Tensor, flag: bool) -> None:
     if getattr(t, "_wgrad", False) == flag or t._mesh.client is None or not saved.workers_run_backward():
         return
     stream = t._stream
-    grad = saved.recording_grad()
 
     def build(seq, results, _mutated):
-        return m.CallFunction(seq, results, (), _SET, (m.Ref(t._r.id), flag), {}, stream.id, grad=grad)
+        return m.CallFunction(seq, results, (), _SET, (m.Ref(t._r.id), flag), {}, stream.id)
 
     issue(t._mesh, build, inputs=[t], stream=stream)
     t._wgrad = flag  # type: ignore[attr-defined]
@@ -72,10 +71,6 @@ def _requires_grad_(self, requires_grad=True):
     if leaf:
         mirror_requires_grad(self, bool(requires_grad))
     return self
-
-
-def _set_requires_grad(self, value) -> None:
-    _requires_grad_(self, value)
 
 
 def _note_hooked(t) -> None:
@@ -99,7 +94,7 @@ def _retain_grad(self):
 
 
 Tensor.requires_grad_ = _requires_grad_  # type: ignore[method-assign]
-Tensor.requires_grad = property(_base_requires_grad.__get__, _set_requires_grad)  # type: ignore[assignment,attr-defined]
+Tensor.requires_grad = property(_base_requires_grad.__get__, _requires_grad_)  # type: ignore[assignment,attr-defined]
 Tensor.register_hook = _register_hook  # type: ignore[method-assign]
 Tensor.retain_grad = _retain_grad  # type: ignore[method-assign]
 
@@ -292,13 +287,13 @@ def _drop_on_workers(roots: list) -> None:
     if client is None or client.sink is not client or not saved.workers_run_backward():
         return
     stream = first._stream
-    args = to_wire(([r for r in roots if type(r) is Tensor and r._mesh is first._mesh],))
+    on_mesh = [r for r in roots if type(r) is Tensor and r._mesh is first._mesh]
+    args = to_wire((on_mesh,))
 
     def build(seq, results, _mutated):
         return m.CallFunction(seq, results, (), _DROP, args, {}, stream.id)
 
-    issue(first._mesh, build, inputs=[r for r in roots if type(r) is Tensor and r._mesh is first._mesh],
-          stream=stream)
+    issue(first._mesh, build, inputs=on_mesh, stream=stream)
 
 
 def _as_list(x) -> list:

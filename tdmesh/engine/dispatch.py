@@ -25,7 +25,7 @@ from .issue import New, issue, issue_op
 from .placement import check_inputs, check_mutation
 from .plan import MAX_PLANS, PLANS, OpPlan, make_plan, outputs_of
 from .propagation import TensorMeta, meta_tensor, op_aliasing, propagate, tensor_meta
-from .saved import recording_grad
+from .saved import workers_record
 from .stream import get_active_stream
 from .tensor import Tensor, describe, raise_in_op
 from .unshaped import data_dependent, dispatch_unshaped, no_kernel
@@ -195,7 +195,7 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
     outputs, values = outputs_of(plan, remote)
     stream = get_active_stream()
     path = plan.path
-    grad = recording_grad()
+    grad = workers_record(client)
 
     def build(seq, results, mutated_refs):
         return m.CallFunction(seq, results, mutated_refs, path, to_wire(args), to_wire(kwargs) if kwargs else {},

@@ -18,7 +18,7 @@ from typing import NamedTuple
 from ..errors import call_site
 from ..protocol.messages import CallOp, CallRecording
 from .propagation import SparseMeta, TensorMeta
-from .saved import recording_grad
+from .saved import workers_record
 from .stream import Stream, get_active_stream
 from .tensor import AliasSet, Tensor, new_proxy
 
@@ -97,7 +97,7 @@ def issue_op(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> li
     is the eager hot path (one call per dispatched op)."""
     client = mesh.client
     with client.lock:
-        grad = recording_grad() and client.sink is client  # traced ops: no autograd on the workers
+        grad = workers_record(client)
         op = (client.op_numbers if grad else client.op_numbers_no_grad).get(plan)
         if op is None:
             op = client.define_op(plan, grad)

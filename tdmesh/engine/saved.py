@@ -23,7 +23,7 @@ from torch._C._autograd import _get_sequence_nr
 
 from ..config import env_str
 
-__all__ = ["Saved", "pack", "unpack", "saved_by_node", "RELEASED", "recording_grad", "push_hooks", "pop_hooks",
+__all__ = ["Saved", "pack", "unpack", "saved_by_node", "RELEASED", "workers_record", "push_hooks", "pop_hooks",
            "workers_run_backward"]
 
 RELEASED: tuple = ()  # a node's entry once its saved tensors were freed by a backward on the workers
@@ -108,12 +108,13 @@ def release(sequence_numbers: list[int]) -> None:
             saved[seq] = RELEASED
 
 
-def recording_grad() -> bool:
-    """Whether workers record autograd for an op issued now: in grad mode, under tdmesh's own
-    saved-tensor hooks (under the user's, ``checkpoint`` say, the client keeps the backward).
+def workers_record(client) -> bool:
+    """Whether workers record autograd for an op ``client`` issues now: in grad mode, under tdmesh's
+    own saved-tensor hooks (under the user's, ``checkpoint`` say, the client keeps the backward),
+    and not while a compiled function traces (its recording replays with no autograd there).
     Once per op: the hooks' order is kept here as torch's push and pop change it (asking torch,
     ``_top_saved_tensors_default_hooks``, cost 6% of an add's client time)."""
-    return _grad_enabled() and _hooks.ours_on_top
+    return _grad_enabled() and _hooks.ours_on_top and client.sink is client
 
 
 class _Hooks(threading.local):

@@ -15,7 +15,7 @@ from .coalescing import check_not_coalescing
 from .host_reads import read_on_host
 from .issue import adopt, issue_unshaped
 from .propagation import SparseMeta, from_description, op_aliasing, schema_arg
-from .saved import recording_grad
+from .saved import workers_record
 from .stream import get_active_stream
 from .tensor import Tensor, describe
 from .wire import op_path, to_wire
@@ -44,7 +44,7 @@ def dispatch_unshaped(func, args, kwargs, remote, mesh, device, why: str):
                for source, is_write, _ in aliasing.return_aliases]  # in place: the result is the argument
     stream = get_active_stream()
     path = op_path(func)
-    grad = recording_grad()
+    grad = workers_record(mesh.client)
 
     def build(seq, results, mutated_refs):
         return m.CallFunction(seq, results, mutated_refs, path, to_wire(args), to_wire(kwargs) if kwargs else {},

@@ -15,6 +15,7 @@ as the client frees its own, not when the last tensor of the forward dies.
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_map
 
 from ..protocol.graph_digest import digest, reachable
 from .groups import Groups
@@ -45,15 +46,7 @@ def detach_results(value):
     """A remote function's results as the workers bind them: tensors that carry gradient here
     are detached, as their proxies on the client carry none (only once leaves are mirrored:
     before, any graph here is the remote function's own)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach() if value.requires_grad else value
-    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) and v.requires_grad for v in value):
-        return type(value)(v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v for v in value) \
-            if not hasattr(value, "_fields") else type(value)(*(
-                v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v for v in value))
-    if isinstance(value, dict):
-        return {k: detach_results(v) for k, v in value.items()}
-    return value
+    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v, value)
 
 
 def run_backward(roots: list, grad_roots: list, leaves: list, grads: list, retain_graph: bool,
