@@ -122,9 +122,10 @@ def main(argv=None) -> int:
     h.print_table(["loop", "us per op", "over new wrapper"],
                   [[name, f"{s / n * 1e6:.2f}", f"{(s - floor) / n * 1e6:+.2f} us"] for name, s in rows])
     if steps is not None:
-        rows, messages = steps
+        rows, messages, _ = steps
         without_s, without_messages = dict(rows).pop(NO_BACKWARD)
-        rows = [(name, s) for name, s in rows if name != NO_BACKWARD]
+        auto = {name: s for name, s in rows if name in (ON_WORKERS, PLAN_NO_BACKWARD, GIVEN_NO_BACKWARD)}
+        rows = [(name, s) for name, s in rows if name != NO_BACKWARD and name not in auto]
         print(f"\n{args.size} GPT training step ({args.dtype}, batch {args.batch_size}), {args.steps} steps a run, "
               f"best of {args.repeats}; {messages} messages a step")
         floor = rows[-1][1]
@@ -135,6 +136,13 @@ def main(argv=None) -> int:
         print(f"without its backward (the forward, recorded by autograd, and the optimizer): "
               f"{without_s / args.steps * 1e3:.2f} ms a step, {without_messages} messages, {without_s / full:.2f}x "
               f"the whole step's client time: what the client would keep if the workers ran backward")
+        print(f"\nthe step as bench.train_step runs it (TDMESH_BACKWARD=auto: backward one message, run by the "
+              f"workers' autograd), {steps[2]} messages a step; the floors of its forward and optimizer:")
+        floor = auto[GIVEN_NO_BACKWARD]
+        h.print_table(["step", "ms per step", "over given proxies, no backward"],
+                      [[name, f"{s / args.steps * 1e3:.2f}", f"{(s - floor) / args.steps * 1e3:+.2f} ms"]
+                       for name, s in [(ON_WORKERS, auto[ON_WORKERS]), (NO_BACKWARD, without_s),
+                                       (PLAN_NO_BACKWARD, auto[PLAN_NO_BACKWARD]), (GIVEN_NO_BACKWARD, floor)]])
     return 0
 
 
@@ -248,6 +256,9 @@ def _add_rows(mesh, n: int, repeats: int) -> dict:
 
 
 NO_BACKWARD = "tdmesh, no backward"
+ON_WORKERS = "tdmesh, backward on the workers"
+PLAN_NO_BACKWARD = "plan proxies, no backward"
+GIVEN_NO_BACKWARD = "given proxies, no backward"
 
 
 def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
@@ -315,19 +326,24 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
                for kind, value, slot in plan.outputs]
         return out[0] if plan.single else tree_unflatten(out, plan.spec)
 
-    order: list = []
     unplanned: list = []
 
-    def by_key(func, args, kwargs):
-        if dispatch_module._makes_no_tensor(func):  # the profiler's ranges: the client's own, as in tdmesh
-            return func(*args, **kwargs)
-        remote, key = inputs_and_key(func, args, kwargs)
-        plan = PLANS.get(key)
-        if plan is None:
-            unplanned.append(func)
-            return func(*args, **kwargs) if not remote else dispatch_module.dispatch(func, args, kwargs)
-        order.append(plan)
-        return proxies(plan, remote)
+    def by_key_into(order: list):
+        def by_key(func, args, kwargs):
+            if dispatch_module._makes_no_tensor(func):  # the profiler's ranges: the client's own, as in tdmesh
+                return func(*args, **kwargs)
+            remote, key = inputs_and_key(func, args, kwargs)
+            plan = PLANS.get(key)
+            if plan is None:
+                unplanned.append(func)
+                return func(*args, **kwargs) if not remote else dispatch_module.dispatch(func, args, kwargs)
+            order.append(plan)
+            return proxies(plan, remote)
+        return by_key
+
+    order: list = []
+    order_without: list = []
+    by_key = by_key_into(order)
 
     given = iter(())
 
@@ -355,6 +371,15 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
             loss = step()
         return loss
 
+    def ordered_without_backward():
+        nonlocal given
+        for _ in range(n):
+            given = iter(per_step_without)
+            with torch.autocast(mesh.device_type, dtype=torch.bfloat16, enabled=bf16):
+                loss = other(x, y)
+            other_optimizer.step()
+        return loss
+
     def as_tdmesh(site: bool):
         return (lambda: _capture_call_sites(site)), (lambda: _capture_call_sites(True)), run
 
@@ -369,17 +394,36 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
             tdmesh.reduce_ = reduce_
         return enter, leave, timed
 
+    activations: list = []
+
+    def backward_on_workers():
+        """TDMESH_BACKWARD=auto, for the forward too: read when an activation begins."""
+        def enter():
+            os.environ["TDMESH_BACKWARD"] = "auto"
+            activations.append(mesh.activate())
+
+        def leave():
+            activations.pop().deactivate()
+            os.environ["TDMESH_BACKWARD"] = "client"
+        return enter, leave
+
     reduce_ = tdmesh.reduce_
     handler, tensor_handler = dispatch_module._MeshMode.__torch_dispatch__, Tensor.dispatch
     variants = {"tdmesh": as_tdmesh(True), "tdmesh, no site": as_tdmesh(False),
                 "plan proxies": as_floor(by_key, run), "given proxies": as_floor(by_order, ordered),
-                NO_BACKWARD: (lambda: None, lambda: None, without_backward)}
+                NO_BACKWARD: (lambda: None, lambda: None, without_backward),
+                ON_WORKERS: (*backward_on_workers(), run),
+                PLAN_NO_BACKWARD: as_floor(by_key_into(order_without), without_backward),
+                GIVEN_NO_BACKWARD: as_floor(by_order, ordered_without_backward)}
     per_step: list = []
+    per_step_without: list = []
 
     def after(name: str, round_: int, loss) -> None:
-        nonlocal per_step
+        nonlocal per_step, per_step_without
         if round_ == 0 and name == "plan proxies":  # the step's plans, in order, for "given proxies"
             per_step = order[:len(order) // n]
+        if round_ == 0 and name == PLAN_NO_BACKWARD:
+            per_step_without = order_without[:len(order_without) // n]
         # the workers' end (or the frees of the floor's proxies) sent and done outside the timer
         tdmesh.fetch_shard(loss if name.startswith("tdmesh") else a_parameter).result()
 
@@ -393,7 +437,15 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
         print(f"note: {len(unplanned)} ops without a plan in the floor rows (run as tdmesh runs them): "
               f"{sorted(set(map(str, unplanned)))[:5]}")
     tdmesh.fetch_shard(run().detach()).result()
-    return list(best.items()), messages
+    enter, leave = backward_on_workers()
+    enter()
+    try:
+        first = client.last_seq
+        tdmesh.fetch_shard(run().detach()).result()
+        messages_auto = round((client.last_seq - first - 1) / n)
+    finally:
+        leave()
+    return list(best.items()), messages, messages_auto
 
 
 if __name__ == "__main__":

@@ -141,9 +141,9 @@ def _plan(roots: list, grad_roots: list):
                 leaf = node.variable
                 order.append(node._sequence_nr())
                 if not _mirrored_leaf(leaf, mesh, stream):
-                    if type(leaf) is Tensor and leaf._mesh is mesh and getattr(leaf, "_wgrad", False) is False:
-                        mirror_requires_grad(leaf, True)  # the next forward records it on the workers
-                    return _client(f"a leaf is not a mirrored mesh tensor of this mesh ({_leaf_text(leaf)})")
+                    reason = f"a leaf is not a mirrored mesh tensor of this mesh ({_leaf_text(leaf)})"
+                    _mirror_unmirrored(nodes, mesh)  # every leaf at once: the next forward records them all there
+                    return _client(reason)
                 leaves.append(leaf)
                 continue
             seq = node._sequence_nr()
@@ -158,6 +158,17 @@ def _plan(roots: list, grad_roots: list):
                 raise saved.freed_error()  # a second backward through it, as torch raises
             seqs.append(seq)
     return mesh, stream, seqs, leaves, digest(nodes, edges), order
+
+
+def _mirror_unmirrored(nodes, mesh) -> None:
+    """Make the workers' copy of every leaf of this mesh in the graph require grad where the client
+    saw it made to on the client only (a model made under ``TDMESH_BACKWARD=client``, or outside an
+    activation): one backward on the client's engine, not one a leaf, before the workers can run it."""
+    for node in nodes:
+        if type(node) is _ACCUMULATE:
+            leaf = node.variable  # type: ignore[union-attr]
+            if type(leaf) is Tensor and leaf._mesh is mesh and getattr(leaf, "_wgrad", False) is False:
+                mirror_requires_grad(leaf, True)
 
 
 def _client(reason: str) -> None:

@@ -393,3 +393,27 @@ def test_module_to_a_dtype_converts_the_workers_values(mesh2x2):
         grad = fetch_shard(model[0].weight.grad).result()
     assert torch.equal(after, before.half().float()) and not torch.equal(after, before)
     assert grad.dtype == torch.float64 and grad.shape == (8, 6)
+
+
+def test_a_model_made_under_client_mode_runs_on_the_workers_from_its_second_backward(mesh2x2, monkeypatch):
+    """Parameters made while ``TDMESH_BACKWARD=client`` require grad on the client only; the first backward
+    under 'auto' runs on the client's engine and mirrors every leaf of its graph at once (it mirrored one
+    leaf a backward: a 4-parameter model needed 5 steps, a GPT one step per parameter)."""
+    monkeypatch.setenv("TDMESH_BACKWARD", "client")
+    with mesh2x2.activate():
+        model = _model()
+        x = torch.randn(4, 6)
+    monkeypatch.setenv("TDMESH_BACKWARD", "auto")
+    with mesh2x2.activate():
+        runs = []
+        for _ in range(3):
+            model.zero_grad()
+            loss = model(x).sum()
+            runs.append(_where(loss.backward)[1])
+        assert "mirrored now" in worker_backward.CLIENT_REASON[0]
+        grads = _grads(model)
+    assert runs == [(0, 1), (1, 0), (1, 0)]
+    local = _local(model)
+    local(fetch_shard(x).result()).sum().backward()
+    for got, p in zip(grads, local.parameters()):
+        torch.testing.assert_close(got, p.grad)
