@@ -27,6 +27,7 @@ from .autograd_context import note_context
 from .backward import backward, mirror_requires_grad
 from .context import active_mesh, active_mesh_or_none
 from .dispatch import MESH_MODE, ship_local
+from .optimizers import set_aside_for_torchs_optimizers
 from .tensor import Tensor
 from .unshaped import host_values
 
@@ -213,6 +214,7 @@ def _enter_mode() -> None:
     with _mode_lock:
         if _torch_load is None and torch.load is not _load_locally:
             _torch_load, torch.load = torch.load, _load_locally
+            set_aside_for_torchs_optimizers(MeshFunctions)
         if _mode_depth == 0:
             _push_mode(MESH_MODE)
         _mode_depth += 1

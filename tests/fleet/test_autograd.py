@@ -81,6 +81,17 @@ OPTIMIZERS = {
     "sgd_fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
     "adam_fused": lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True),
     "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, fused=True),
+    # the rest of torch.optim (their steps run with the mesh's torch-function mode set aside:
+    # tdmesh/engine/optimizers.py), each in its default implementation
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=0.01),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=0.01),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=0.01),
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=0.01),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=0.01),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=0.01),
 }
 
 
