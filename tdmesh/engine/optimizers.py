@@ -72,7 +72,7 @@ def set_aside_for_torchs_optimizers(functions_mode_type: type) -> None:
             continue
         if getattr(step, "hooked", False):  # torch wrapped it in its profiling hooks: ours goes inside them
             inner = _aside(step.__wrapped__, functions_mode_type, 1)
-            cls.step = optimizer.profile_hook_step(inner)  # type: ignore[method-assign]
+            cls.step = optimizer.profile_hook_step(inner)  # type: ignore[method-assign,assignment]
             cls.step.hooked = True  # type: ignore[attr-defined]
         else:  # torch wraps it at the class's first optimizer, around ours
             cls.step = _aside(step, functions_mode_type, 1)  # type: ignore[method-assign]
