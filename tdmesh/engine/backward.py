@@ -202,11 +202,12 @@ def _run_on_workers(plan, roots: list, grad_roots: list, retain_graph: bool) -> 
     mesh, stream, seqs, leaves, shape, order = plan
     with torch._C.DisableTorchFunction():
         grads = [leaf.grad for leaf in leaves]
-        new = [New(TensorMeta(leaf._meta.size, leaf._meta.stride, 0, leaf._meta.dtype), device=leaf.device)
-               for leaf, g in zip(leaves, grads) if g is None]
+        new = [New(_grad_meta(leaf._meta), device=leaf.device) for leaf, g in zip(leaves, grads) if g is None]
     existing = [g for g in grads if g is not None]
-    args = to_wire((list(roots), list(grad_roots), leaves, grads, retain_graph, shape,
-                    _reduce_plans(mesh, stream, leaves, order) if REDUCING[0] else ()))
+    # every tensor here is a proxy (or None): Refs made directly, not by to_wire's walk
+    args = ([m.Ref(r._r.id) for r in roots], [None if g is None else m.Ref(g._r.id) for g in grad_roots],
+            [m.Ref(leaf._r.id) for leaf in leaves], [None if g is None else m.Ref(g._r.id) for g in grads],
+            retain_graph, shape, _reduce_plans(mesh, stream, leaves, order) if REDUCING[0] else ())
 
     def build(seq, results, mutated):
         return m.CallFunction(seq, results, mutated, _RUN, args, {}, stream.id)
@@ -220,6 +221,11 @@ def _run_on_workers(plan, roots: list, grad_roots: list, retain_graph: bool) -> 
                 leaf.grad = next(made_grads)
     if not retain_graph:
         saved.release(seqs)
+
+
+def _grad_meta(meta: TensorMeta) -> TensorMeta:
+    """A new gradient's metadata, as ``AccumulateGrad`` makes it for a contiguous leaf: the leaf's, from offset 0."""
+    return meta if meta.offset == 0 else TensorMeta(meta.size, meta.stride, 0, meta.dtype)
 
 
 def _grad(run_on_client, func, args: tuple, kwargs: dict):
