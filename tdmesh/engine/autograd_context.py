@@ -23,7 +23,7 @@ from .context import active_mesh
 from .saved import on_hooks_change, ours_on_top
 from .stream import DEFAULT_STREAM, get_active_stream
 
-__all__ = ["note_context", "forward_context", "set_sink"]
+__all__ = ["note_context", "forward_context", "context_of_span", "set_sink"]
 
 MAX_RANGES = 1 << 16
 
@@ -64,6 +64,15 @@ def forward_context(sequence_nr: int) -> tuple | None:
     r = _ranges
     i = bisect.bisect_right(r.starts, sequence_nr) - 1
     if i < 0:
+        return None
+    return r.contexts[i]
+
+
+def context_of_span(first: int, last: int) -> tuple | None:
+    """The context of every node numbered ``first`` to ``last`` where one context held them all; else None."""
+    r = _ranges
+    i = bisect.bisect_right(r.starts, first) - 1
+    if i < 0 or (i + 1 < len(r.starts) and r.starts[i + 1] <= last):
         return None
     return r.contexts[i]
 

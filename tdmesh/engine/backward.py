@@ -27,7 +27,7 @@ import torch
 from ..protocol import messages as m
 from ..protocol.graph_digest import digest, reachable
 from . import saved
-from .autograd_context import forward_context
+from .autograd_context import context_of_span, forward_context
 from .issue import New, issue
 from .propagation import TensorMeta
 from .stream import get_active_stream
@@ -147,17 +147,26 @@ def _plan(roots: list, grad_roots: list):
                 leaves.append(leaf)
                 continue
             seq = node._sequence_nr()
-            context = forward_context(seq)
-            if context is None or context[0] is not mesh or context[1] is not stream or not context[2]:
-                return _client(f"{kind.__name__} was made on another mesh or stream, while a compiled function was "
-                               f"traced, or under the user's saved-tensor hooks (checkpoint)")
             if seq in _hooked or isinstance(node, torch.autograd.function.BackwardCFunction):
                 return _client(f"{kind.__name__} is a custom autograd.Function's or has hooks (or retain_grad)")
             entry = saved_by_node.get(seq)
             if entry is saved.RELEASED:
                 raise saved.freed_error()  # a second backward through it, as torch raises
             seqs.append(seq)
+        if seqs and not _recorded_here(seqs, mesh, stream):
+            return _client("a node was made on another mesh or stream, while a compiled function was traced, or under "
+                           "the user's saved-tensor hooks (checkpoint)")
     return mesh, stream, seqs, leaves, digest(nodes, edges), order
+
+
+def _recorded_here(seqs: list[int], mesh, stream) -> bool:
+    """Whether every node was made on ``mesh`` and ``stream`` and recorded on the workers: one lookup where
+    the graph was made in one context (a forward's usual case), else one a node."""
+    span = context_of_span(min(seqs), max(seqs))
+    for context in ([span] if span is not None else map(forward_context, seqs)):
+        if context is None or context[0] is not mesh or context[1] is not stream or not context[2]:
+            return False
+    return True
 
 
 def _mirror_unmirrored(nodes, mesh) -> None:
