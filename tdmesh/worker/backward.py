@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 from ..protocol.graph_digest import digest, reachable
 from .groups import Groups
-from .overlap import Overlap
+from .overlap import Overlap, join_with_zeros
 from .streams import current_stream
 
 __all__ = ["set_requires_grad", "run_backward", "run_grad", "drop_graphs", "detach_results"]
@@ -50,7 +50,7 @@ def detach_results(value):
 
 
 def run_backward(roots: list, grad_roots: list, leaves: list, grads: list, retain_graph: bool,
-                 expected: tuple[int, int, int], reduce: tuple = ()) -> tuple:
+                 expected: tuple[int, int, int], reduce: tuple = (), leaf_specs: tuple = ()) -> tuple:
     """``torch.autograd.backward(roots, grad_roots, inputs=leaves)`` with each leaf's ``.grad``
     first set to what the client's proxy holds (``grads``: a tensor or None); returns the new
     gradients of the leaves that had none, in order (the client made their proxies).
@@ -58,7 +58,8 @@ def run_backward(roots: list, grad_roots: list, leaves: list, grads: list, retai
     Refuses (every result poisoned, nothing accumulated) when this worker's graph is not the
     client's (``expected`` is the client's digest) or when torch leaves a leaf without a
     gradient that the client made a proxy for.  ``reduce``: ``(leaf indices, group id, reduction)``
-    of the gradients to reduce while backward runs (``tdmesh.worker.overlap``)."""
+    of the gradients to reduce while backward runs (``tdmesh.worker.overlap``), ``leaf_specs`` each
+    leaf's (elements, dtype name) for a rank that cannot run it (``_join_reductions``)."""
     overlap = None
     if reduce:
         groups = Groups.current  # this session's process groups (this runs on one of its streams)
@@ -89,6 +90,23 @@ def run_backward(roots: list, grad_roots: list, leaves: list, grads: list, retai
                 grad = leaf.grad = laid_out
             new.append(grad)
     return tuple(new)
+
+
+def _join_reductions(args: tuple, kwargs: dict, device) -> None:
+    """``run_backward`` on a rank where an argument failed upstream (the interpreter poisons its results
+    without calling it): the reductions registered for it still run there, with zeros, so peers whose
+    backward ran do not wait for this rank in their collectives until the process group times out."""
+    params = dict(zip(("roots", "grad_roots", "leaves", "grads", "retain_graph", "expected", "reduce",
+                       "leaf_specs"), args)) | kwargs
+    reduce, specs = params.get("reduce") or (), params.get("leaf_specs") or ()
+    if not reduce or not specs:
+        return
+    groups = Groups.current
+    assert groups is not None
+    join_with_zeros(list(specs), [(indices, groups.by_id(group), how) for indices, group, how in reduce], device)
+
+
+run_backward.on_poison = _join_reductions  # type: ignore[attr-defined]
 
 
 def run_grad(roots: list, grad_roots: list, inputs: list, retain_graph: bool, expected: tuple[int, int, int]) -> tuple:

@@ -8,6 +8,7 @@ the hot path resolves the same few aten ops over and over.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -77,3 +78,17 @@ def _import_path(path: str) -> Callable:
             raise ResolveError(f"failed to resolve function {path!r}: {e}") from None
         return obj
     raise ResolveError(f"failed to resolve function {path!r}: no importable module ({error})")
+
+
+def take_part_when_poisoned(fn, args, kwargs, device, rank: int) -> None:
+    """A call whose argument failed upstream is not made (its results are poisoned); a function whose
+    peers would wait for it in a collective (``fn.on_poison``, e.g. a backward that reduces gradients as
+    it goes) is told, so it takes part anyway."""
+    on_poison = getattr(fn, "on_poison", None)
+    if on_poison is None:
+        return
+    try:
+        on_poison(args, kwargs or {}, device)
+    except Exception:  # noqa: BLE001 - its results are poisoned already; a broken collective shows there
+        logging.getLogger("tdmesh.worker").exception("tdmesh worker %d: %s could not take part in its collectives",
+                                                     rank, getattr(fn, "__name__", fn))

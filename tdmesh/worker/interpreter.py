@@ -24,7 +24,7 @@ from . import collectives
 from .backward import detach_results, mirrored
 from .borrows import Borrows
 from .debugger import Console
-from .functions import resolve
+from .functions import resolve, take_part_when_poisoned
 from .groups import Groups
 from .mesh import WorkerMesh
 from .observing import Observer
@@ -229,6 +229,7 @@ class Interpreter:
 
     def _call_function(self, msg: m.CallFunction, stream: Stream) -> None:
         env = stream.env
+        fn = raw_args = raw_kwargs = None
         try:
             fn = resolve(msg.function)
             raw_args, raw_kwargs = unseal(msg.args, msg.kwargs)
@@ -241,6 +242,7 @@ class Interpreter:
             self._bind(env, msg.results, value)
         except DependentOnError as e:
             self._poison(env, msg.results, msg.mutates, e.poison)
+            take_part_when_poisoned(fn, raw_args, raw_kwargs, self.device, self.rank)
         except ProtocolViolation:
             raise  # a broken message, not a failing user function: the worker stops
         except Exception as e:  # noqa: BLE001 - whatever the user's function raises is its failure

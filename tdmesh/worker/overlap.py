@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["Overlap"]
+__all__ = ["Overlap", "join_with_zeros"]
 
 FIRST_BUCKET_BYTES = 1 << 20  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_BYTES = 25 << 20       # DistributedDataParallel(bucket_cap_mb=25)
@@ -31,27 +31,48 @@ class _Bucket:
         self.left = len(indices)
 
 
+def _buckets(nbytes: list[int], plans: list) -> list[_Bucket]:
+    """The buckets of ``plans`` (``(leaf indices, process group, reduction)``) for leaves of ``nbytes``
+    bytes each: every rank makes the same ones, in the same order."""
+    buckets: list[_Bucket] = []
+    for indices, group, reduction in plans:
+        n = dist.get_world_size(group)
+        if n == 1:
+            continue  # a group of one reduces nothing
+        current: list[int] = []
+        total, limit = 0, FIRST_BUCKET_BYTES
+        for i in indices:
+            size = nbytes[i]
+            if current and total + size > limit:
+                buckets.append(_Bucket(current, group, n, reduction))
+                current, total, limit = [], 0, BUCKET_BYTES
+            current.append(i)
+            total += size
+        if current:
+            buckets.append(_Bucket(current, group, n, reduction))
+    return buckets
+
+
+def join_with_zeros(specs: list[tuple[int, str]], plans: list, device) -> None:
+    """A rank that cannot run this backward at all (an input of it failed upstream): it still runs every
+    bucket's collective, with zeros, as its peers do (``specs``: each leaf's (elements, dtype name), as the
+    client's proxies have them), so none of them waits for it.  The client's history marks the gradients
+    failed on every rank: they depend on the failed value."""
+    dtypes = [getattr(torch, dtype) for _, dtype in specs]
+    buckets = _buckets([numel * dtype.itemsize for (numel, _), dtype in zip(specs, dtypes)], plans)
+    works = [dist.all_reduce(torch.zeros(sum(specs[i][0] for i in b.indices), dtype=dtypes[b.indices[0]],
+                                         device=device), op=dist.ReduceOp.SUM, group=b.group, async_op=True)
+             for b in buckets]
+    for work in works:
+        work.wait()
+
+
 class Overlap:
     """The buckets of one backward: ``plans`` are ``(leaf indices, process group, reduction)``."""
 
     def __init__(self, leaves: list, plans: list) -> None:
         self.leaves = leaves
-        self.buckets: list[_Bucket] = []
-        for indices, group, reduction in plans:
-            n = dist.get_world_size(group)
-            if n == 1:
-                continue  # a group of one reduces nothing
-            current: list[int] = []
-            nbytes, limit = 0, FIRST_BUCKET_BYTES
-            for i in indices:
-                size = leaves[i].numel() * leaves[i].element_size()
-                if current and nbytes + size > limit:
-                    self.buckets.append(_Bucket(current, group, n, reduction))
-                    current, nbytes, limit = [], 0, BUCKET_BYTES
-                current.append(i)
-                nbytes += size
-            if current:
-                self.buckets.append(_Bucket(current, group, n, reduction))
+        self.buckets = _buckets([leaf.numel() * leaf.element_size() for leaf in leaves], plans)
         self.bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b.indices}
         self.started = 0  # buckets started so far (in order)
         self.works: list[tuple] = []

@@ -320,6 +320,27 @@ def test_a_failed_forward_with_reduction_in_backward_poisons_the_gradients_and_h
         assert fetch_shard(w.grad).result().tolist() == [[2.0, 2.0], [2.0, 2.0]]
 
 
+def test_a_forward_failed_on_one_rank_with_reduction_in_backward_hangs_nobody(mesh2x2):
+    """Where one rank's forward failed its backward is never run (its root is poisoned) but its peers'
+    backward reduce their buckets: that rank still runs the buckets' collectives, with zeros (before,
+    its peers waited in them until the process group timed out), and every rank's gradient is failed."""
+    fails_on_rank_1 = tdmesh.remote(
+        lambda x: torch.linalg.cholesky(-x) if torch.distributed.get_rank() == 1 else x * 1, propagate=lambda x: x)
+    with mesh2x2.activate():
+        w = torch.eye(2).requires_grad_()
+        handle = tdmesh.reduce_grads_in_backward([w], mesh2x2.names)
+        _, where = _where((w * fails_on_rank_1(torch.eye(2))).sum().backward)
+        assert where == (1, 0)
+        for host in range(2):
+            for gpu in range(2):
+                with pytest.raises(tdmesh.RemoteException, match="cholesky|positive-definite"):
+                    fetch_shard(w.grad, host=host, gpu=gpu).result(timeout=60)
+        handle.remove()
+        w.grad = None
+        (w * 2).sum().backward()  # the mesh goes on: no collective was left half-joined
+        assert fetch_shard(w.grad).result(timeout=60).tolist() == [[2.0, 2.0], [2.0, 2.0]]
+
+
 _ACTIVATIONS = {"tanh": torch.tanh, "relu": torch.relu, "gelu": F.gelu, "sigmoid": torch.sigmoid, "exp": torch.exp,
                 "square": torch.square}
 
