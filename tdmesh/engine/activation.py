@@ -18,7 +18,12 @@ from collections.abc import Callable
 import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext, _device_constructors
-from torch.utils._python_dispatch import _pop_mode, _push_mode
+from torch.utils._python_dispatch import (
+    _get_current_dispatch_mode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 
 from .. import errors
 from ..errors import UsageError, backward_sites, call_site, note_engine_code, user_line
@@ -60,6 +65,12 @@ class Activation:
         if self._device_ctx is not None:
             self._device_ctx.__enter__()
         _enter_mode()
+        # no_mesh: local ops skip tdmesh's dispatch mode and saved-tensor hooks (a mesh's ops still reach it
+        # through their tensors); a mesh activated inside no_mesh puts its dispatch mode back
+        self._aside = _set_aside() if mesh is None else (False, False)
+        self._own_mode = mesh is not None and _dispatch_mode_missing()
+        if self._own_mode:
+            _push_mode(MESH_MODE)
         self._hooks = mesh is not None and saved.push_hooks()  # what the client's graphs save (engine/saved.py)
         self._active = True
         note_context()
@@ -76,6 +87,13 @@ class Activation:
         self._active = False
         if self._hooks:
             saved.pop_hooks()
+        if self._own_mode:
+            _pop_mode()
+        mode_aside, hooks_aside = self._aside
+        if hooks_aside:
+            saved.bring_back()
+        if mode_aside:
+            _push_mode(MESH_MODE)
         _exit_mode()
         if self._device_ctx is not None:
             self._device_ctx.__exit__(None, None, None)
@@ -122,7 +140,7 @@ class MeshFunctions(DeviceContext):
         if kwargs.get("requires_grad"):  # a factory's leaf: made, then requires_grad_ (mirrored on the workers)
             kwargs = {k: v for k, v in kwargs.items() if k != "requires_grad"}
             out = func(*args, **kwargs)
-            return out.requires_grad_() if type(out) is Tensor else out
+            return out.requires_grad_() if isinstance(out, torch.Tensor) else out  # a local one under no_mesh too
         return func(*args, **kwargs)
 
 
@@ -218,6 +236,20 @@ def _enter_mode() -> None:
         if _mode_depth == 0:
             _push_mode(MESH_MODE)
         _mode_depth += 1
+
+
+def _set_aside() -> tuple[bool, bool]:
+    """``no_mesh``: tdmesh's dispatch mode and saved-tensor hooks off this thread's stacks where they are
+    on top (a mode or hooks of the user's above them stay, and so do they): local code under no_mesh ran
+    2.5x slower than plain torch, every op through the mode's Python and every saved tensor through a box."""
+    mode_aside = _get_current_dispatch_mode() is MESH_MODE
+    if mode_aside:
+        _pop_mode()
+    return mode_aside, saved.set_aside()
+
+
+def _dispatch_mode_missing() -> bool:
+    return MESH_MODE not in _get_current_dispatch_mode_stack()
 
 
 def _exit_mode() -> None:

@@ -24,7 +24,7 @@ from torch._C._autograd import _get_sequence_nr
 from ..config import env_str
 
 __all__ = ["Saved", "pack", "unpack", "saved_by_node", "RELEASED", "workers_record", "push_hooks", "pop_hooks",
-           "workers_run_backward"]
+           "set_aside", "bring_back", "workers_run_backward"]
 
 RELEASED: tuple = ()  # a node's entry once its saved tensors were freed by a backward on the workers
 _PRUNE_FROM = 1 << 14
@@ -172,3 +172,16 @@ def push_hooks() -> bool:
 
 def pop_hooks() -> None:
     _popped()
+
+
+def set_aside() -> bool:
+    """Take tdmesh's hooks off the top for a while (``no_mesh``); False where they are not on top."""
+    if not _hooks.ours_on_top:
+        return False
+    _popped()
+    return True
+
+
+def bring_back() -> None:
+    """Put back hooks that :func:`set_aside` took off."""
+    _pushed(pack, unpack)
