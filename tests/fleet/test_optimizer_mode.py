@@ -81,6 +81,17 @@ def test_a_step_with_a_closure_keeps_the_mode_and_its_backward_runs_on_the_worke
         assert isinstance(fetch_shard(loss).result().item(), float)
 
 
+def _lbfgs_step(model, x, y) -> None:
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+    opt.step(closure)
+
+
 def test_lbfgs_runs_its_closure_under_the_mode_and_equals_local_torch(mesh2x2):
     """LBFGS reads the loss on the host (``float(closure())``): every rank gets the same data and weights."""
     local = _model()
@@ -91,24 +102,9 @@ def test_lbfgs_runs_its_closure_under_the_mode_and_equals_local_torch(mesh2x2):
         with torch.no_grad():
             for p, v in zip(model.parameters(), initial):
                 p.copy_(v)  # the local weights shipped to every rank
-        x, y = torch.tensor(xs), torch.tensor(ys)
-        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
-
-        def closure():
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            return loss
-        opt.step(closure)
+        _lbfgs_step(model, torch.tensor(xs), torch.tensor(ys))
         after = fetch_shard([p.detach() for p in model.parameters()], host=1, gpu=1).result()
-    local_opt = torch.optim.LBFGS(local.parameters(), lr=0.5, max_iter=4)
-
-    def local_closure():
-        local_opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(local(xs), ys)
-        loss.backward()
-        return loss
-    local_opt.step(local_closure)
+    _lbfgs_step(local, xs, ys)
     for got, p in zip(after, local.parameters()):
         torch.testing.assert_close(got, p.detach(), atol=1e-5, rtol=1e-5)
 
