@@ -44,7 +44,6 @@ _client_device: contextvars.ContextVar = contextvars.ContextVar("tdmesh_client_d
 # The innermost activation still in effect, for mesh.deactivate() (activate() used without ``with``).
 _innermost: contextvars.ContextVar = contextvars.ContextVar("tdmesh_innermost_activation", default=None)
 _mode_lock = threading.Lock()
-_mode_depth = 0
 
 
 class Activation:
@@ -64,11 +63,13 @@ class Activation:
             self._device_ctx = DeviceContext(_client_device.get())
         if self._device_ctx is not None:
             self._device_ctx.__enter__()
-        _enter_mode()
-        # no_mesh: local ops skip tdmesh's dispatch mode and saved-tensor hooks (a mesh's ops still reach it
-        # through their tensors); a mesh activated inside no_mesh puts its dispatch mode back
+        _patch_once()
+        # the dispatch mode is on this thread's stack while a mesh activation of this thread is in effect: pushed
+        # by the first (on this thread: the stack is per thread), or by a mesh activated inside no_mesh; no_mesh
+        # sets it and tdmesh's saved-tensor hooks aside (local ops run as plain torch; a mesh tensor's ops still
+        # reach it through the tensor)
         self._aside = _set_aside() if mesh is None else (False, False)
-        self._own_mode = mesh is not None and _dispatch_mode_missing()
+        self._own_mode = mesh is not None and MESH_MODE not in _get_current_dispatch_mode_stack()
         if self._own_mode:
             _push_mode(MESH_MODE)
         self._hooks = mesh is not None and saved.push_hooks()  # what the client's graphs save (engine/saved.py)
@@ -94,7 +95,6 @@ class Activation:
             saved.bring_back()
         if mode_aside:
             _push_mode(MESH_MODE)
-        _exit_mode()
         if self._device_ctx is not None:
             self._device_ctx.__exit__(None, None, None)
         if self._device_token is not None:
@@ -227,15 +227,13 @@ def default_device() -> torch.device:
     return context.device if context is not None else torch.device("cpu")
 
 
-def _enter_mode() -> None:
-    global _mode_depth, _torch_load
+def _patch_once() -> None:
+    """At the first activation: ``torch.load`` returns local tensors, torch's optimizers skip the function mode."""
+    global _torch_load
     with _mode_lock:
         if _torch_load is None and torch.load is not _load_locally:
             _torch_load, torch.load = torch.load, _load_locally
             set_aside_for_torchs_optimizers(MeshFunctions)
-        if _mode_depth == 0:
-            _push_mode(MESH_MODE)
-        _mode_depth += 1
 
 
 def _set_aside() -> tuple[bool, bool]:
@@ -247,17 +245,6 @@ def _set_aside() -> tuple[bool, bool]:
         _pop_mode()
     return mode_aside, saved.set_aside()
 
-
-def _dispatch_mode_missing() -> bool:
-    return MESH_MODE not in _get_current_dispatch_mode_stack()
-
-
-def _exit_mode() -> None:
-    global _mode_depth
-    with _mode_lock:
-        _mode_depth -= 1
-        if _mode_depth == 0:
-            _pop_mode()
 
 
 class _NoMesh:

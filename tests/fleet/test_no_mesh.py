@@ -4,6 +4,8 @@ while mesh tensors used there still reach their mesh and a mesh activated inside
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -68,3 +70,26 @@ def test_mesh_tensors_used_under_no_mesh_still_reach_their_mesh_and_backward_on_
         assert worker_backward.COUNTS["workers"] == counts["workers"] + 1
         assert fetch_shard(w.grad).result().tolist() == [3.0, 3.0, 3.0]
         assert fetch_shard(y).result().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_mesh_activated_in_another_thread_makes_mesh_tensors_there(mesh2x2):
+    """torch's mode stacks are per thread: a second thread's activation pushes the dispatch mode on its own
+    stack (it was pushed once per process: factories in that thread made local tensors, silently)."""
+    out: dict = {}
+
+    def other_thread():
+        with mesh2x2.activate():
+            out["inside"] = torch.ones(2) * 3
+            out["modes"] = _state()
+        out["after"] = (type(torch.ones(2)), _state())
+
+    with mesh2x2.activate():
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        assert _state() == (True, True)  # this thread's stacks are untouched by the other's exit
+        assert type(torch.ones(2)) is tdmesh.Tensor
+        assert type(out["inside"]) is tdmesh.Tensor and out["modes"] == (True, True)
+        assert fetch_shard(out["inside"]).result().tolist() == [3.0, 3.0]
+    assert out["after"] == (torch.Tensor, (False, False))
+    assert _state() == (False, False)
