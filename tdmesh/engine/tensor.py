@@ -159,8 +159,11 @@ _wrapper = torch.Tensor._make_wrapper_subclass
 
 def new_proxy(meta: TensorMeta, device, mesh, ref_id: int, aliases: AliasSet, stream: Stream) -> Tensor:
     """``Tensor(meta, ...)`` for dense metadata: what eager dispatch makes for every result."""
-    t = _wrapper(Tensor, meta.size, strides=meta.stride, storage_offset=meta.offset, dtype=meta.dtype, device=device,
-                 requires_grad=False)
+    if meta.offset:
+        t = _wrapper(Tensor, meta.size, strides=meta.stride, storage_offset=meta.offset, dtype=meta.dtype,
+                     device=device)
+    else:  # the common case: torch parses fewer keywords (0.2 us of the ~1.4 a wrapper costs)
+        t = _wrapper(Tensor, meta.size, strides=meta.stride, dtype=meta.dtype, device=device)
     t._r = RefOwner(ref_id, mesh, aliases)
     t._meta = meta
     t._mesh = mesh
