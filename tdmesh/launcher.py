@@ -137,15 +137,18 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, logg
                    GROUP_RANK=str(rank // gpus_per_host), TDMESH_DEVICE_INDEX=str(device_offset + rank))
         envs[rank] = env
     to_files = logging is LoggingLocation.FILE
+    owned_dir = None
     if to_files and not log_dir:
-        log_dir = tempfile.mkdtemp(prefix="tdmesh_logs_")
+        log_dir = tempfile.mkdtemp(prefix="tdmesh_logs_")  # kept: the user reads the logs after the run
+    elif not to_files:  # torch elastic makes a run directory even when nothing is redirected: one a run, left in /tmp
+        log_dir = owned_dir = tempfile.mkdtemp(prefix="tdmesh_elastic_")
     specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL if to_files else Std.NONE)
     # torch elastic installs SIGINT/SIGTERM handlers in the calling process and never puts
     # the user's back: keep Ctrl-C a KeyboardInterrupt for the client.
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     processes = SerialProcesses(start_processes(name="tdmesh-worker", entrypoint=sys.executable,
                                                 args={r: ("-m", "tdmesh.worker", "--serve") for r in range(world)},
-                                                envs=envs, logs_specs=specs))
+                                                envs=envs, logs_specs=specs), owned_dir)
     if threading.current_thread() is threading.main_thread():
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

@@ -13,9 +13,11 @@ a crashed test and replaces."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,11 +27,25 @@ import time
 
 import pytest
 
-from tdmesh.config import env_float
+from tdmesh.config import env_float, env_str
 from tdmesh.errors import thread_stacks
 
 HARD_EXIT_GRACE_S = 120.0
-STACKS_DIR = os.environ.setdefault("TDMESH_STACKS_DIR", tempfile.mkdtemp(prefix="tdmesh-stacks-"))
+
+
+def _stacks_dir() -> str:
+    """The run's directory for the workers' stacks: made by the run's first process (xdist's workers inherit
+    it through the environment; each made one of its own before, and none was ever removed) and removed by it
+    at exit."""
+    existing = env_str("TDMESH_STACKS_DIR")
+    if existing:
+        return existing
+    made = os.environ["TDMESH_STACKS_DIR"] = tempfile.mkdtemp(prefix="tdmesh-stacks-")
+    atexit.register(shutil.rmtree, made, True)
+    return made
+
+
+STACKS_DIR = _stacks_dir()
 
 
 def _descendants(root: int) -> list[int]:

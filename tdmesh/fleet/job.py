@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import shutil
 import socket
 import sys
 import threading
@@ -229,9 +230,10 @@ class SerialProcesses:
     fleet both poll it, and two polls at once fail with "Set changed size during iteration".
     """
 
-    def __init__(self, pcontext) -> None:
+    def __init__(self, pcontext, owned_dir: str | None = None) -> None:
         self._pcontext = pcontext
         self._lock = threading.Lock()
+        self.owned_dir = owned_dir  # torch elastic's run directory where tdmesh made it: removed at close
 
     def wait(self, timeout: float = -1, period: float = 1):
         with self._lock:
@@ -239,7 +241,12 @@ class SerialProcesses:
 
     def close(self, *args, **kwargs):
         with self._lock:
-            return self._pcontext.close(*args, **kwargs)
+            try:
+                return self._pcontext.close(*args, **kwargs)
+            finally:
+                if self.owned_dir is not None:
+                    shutil.rmtree(self.owned_dir, ignore_errors=True)
+                    self.owned_dir = None
 
     def __getattr__(self, name: str):
         return getattr(self._pcontext, name)

@@ -209,3 +209,18 @@ def test_a_parked_worker_slow_to_leave_is_stopped_without_elastics_lines():
     assert not _wait_gone([int(out.stdout.split()[0])])
     assert "stays warm" in out.stderr  # the script's own stderr is what is read here
     assert "closing signal" not in out.stderr and "Unable to shutdown" not in out.stderr, out.stderr
+
+
+def test_torch_elastics_run_directory_goes_with_the_workers():
+    """torch elastic makes a run directory at every start, even with nothing redirected (its error files):
+    tdmesh makes it itself and removes it when the workers stop, at exit or when their pool lets them go
+    (one directory a run piled up in /tmp: thousands after a day of tests)."""
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2, pool=False) as mesh:
+        owned = mesh.fleet.processes.owned_dir
+        assert owned and os.listdir(owned)  # torch's run directory is in it, not in a torchelastic_* of its own
+    assert not os.path.exists(owned)
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2) as mesh:
+        parked = mesh.fleet.processes.owned_dir
+    assert os.path.isdir(parked)  # the parked workers still use it
+    pool.clear()
+    assert not os.path.exists(parked)
