@@ -230,6 +230,8 @@ def default_device() -> torch.device:
 def _patch_once() -> None:
     """At the first activation: ``torch.load`` returns local tensors, torch's optimizers skip the function mode."""
     global _torch_load
+    if _torch_load is not None:  # done (every later activation passes here without the lock)
+        return
     with _mode_lock:
         if _torch_load is None and torch.load is not _load_locally:
             _torch_load, torch.load = torch.load, _load_locally

@@ -216,7 +216,8 @@ def _run_on_workers(plan, roots: list, grad_roots: list, retain_graph: bool) -> 
     # every tensor here is a proxy (or None): Refs made directly, not by to_wire's walk
     reduce = _reduce_plans(mesh, stream, leaves, order) if REDUCING[0] else ()
     # each leaf's (elements, dtype) with a reduction: a rank whose backward cannot run still joins its collectives
-    specs = tuple((math.prod(leaf._meta.size), str(leaf._meta.dtype)[6:]) for leaf in leaves) if reduce else ()
+    specs = tuple((math.prod(leaf._meta.size), str(leaf._meta.dtype).split(".")[1]) for leaf in leaves) if reduce \
+        else ()
     args = ([m.Ref(r._r.id) for r in roots], [None if g is None else m.Ref(g._r.id) for g in grad_roots],
             [m.Ref(leaf._r.id) for leaf in leaves], [None if g is None else m.Ref(g._r.id) for g in grads],
             retain_graph, shape, reduce, specs)

@@ -60,11 +60,17 @@ def join_with_zeros(specs: list[tuple[int, str]], plans: list, device) -> None:
     failed on every rank: they depend on the failed value."""
     dtypes = [getattr(torch, dtype) for _, dtype in specs]
     buckets = _buckets([numel * dtype.itemsize for (numel, _), dtype in zip(specs, dtypes)], plans)
-    works = [dist.all_reduce(torch.zeros(sum(specs[i][0] for i in b.indices), dtype=dtypes[b.indices[0]],
-                                         device=device), op=dist.ReduceOp.SUM, group=b.group, async_op=True)
+    works = [_zeros_reduced(b, sum(specs[i][0] for i in b.indices), dtypes[b.indices[0]], device)[1]
              for b in buckets]
     for work in works:
         work.wait()
+
+
+def _zeros_reduced(bucket: _Bucket, numel: int, dtype, device) -> tuple:
+    """A bucket's collective started with zeros (a rank without its gradients takes part so that no peer
+    waits): (the flat zeros, the work)."""
+    flat = torch.zeros(numel, dtype=dtype, device=device)
+    return flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True)
 
 
 class Overlap:
@@ -91,13 +97,14 @@ class Overlap:
         grads = [self.leaves[i].grad for i in bucket.indices]
         if zeros:
             first = self.leaves[bucket.indices[0]]
-            flat = torch.zeros(sum(self.leaves[i].numel() for i in bucket.indices), dtype=first.dtype,
-                               device=first.device)
-        elif len(grads) == 1 and grads[0].is_contiguous():
-            flat = grads[0]  # reduced in place
+            flat, work = _zeros_reduced(bucket, sum(self.leaves[i].numel() for i in bucket.indices), first.dtype,
+                                        first.device)
         else:
-            flat = torch._utils._flatten_dense_tensors(grads)
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True)
+            if len(grads) == 1 and grads[0].is_contiguous():
+                flat = grads[0]  # reduced in place
+            else:
+                flat = torch._utils._flatten_dense_tensors(grads)
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True)
         self.works.append((work, flat, grads, bucket, zeros))
 
     def finish(self, failed: bool) -> bool:
