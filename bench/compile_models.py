@@ -31,9 +31,30 @@ OPTIMIZERS = {
 }
 
 
+# rows that found client-metadata defects (tests/fleet/test_device_metadata.py), run on CPU workers:
+# SegFormer (a convolution of a channels-last view), Longformer (views written in place),
+# Mixtral (MoE experts through float32 _grouped_mm)
+CPU_ROWS = [("segformer", "fused_adamw"), ("longformer", "sgd_momentum"), ("mixtral", "fused_adamw")]
+
+
 def build(kind: str):
     """A tiny, dropout-free ``transformers`` model of ``kind`` (random weights)."""
     import transformers
+    if kind == "segformer":  # two stages of torch's default widths: its Mix-FFN's 256 channels are the case
+        return transformers.SegformerForImageClassification(transformers.SegformerConfig(
+            num_encoder_blocks=2, depths=[1, 1], sr_ratios=[8, 4], hidden_sizes=[32, 64], patch_sizes=[7, 3],
+            strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[4, 4], hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0, drop_path_rate=0.0, num_labels=4))
+    if kind == "longformer":
+        return transformers.LongformerForMaskedLM(transformers.LongformerConfig(
+            num_hidden_layers=2, num_attention_heads=2, hidden_size=32, intermediate_size=64, vocab_size=64,
+            max_position_embeddings=64, attention_window=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            pad_token_id=0))
+    if kind == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=32, intermediate_size=32,
+            vocab_size=64, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+            attn_implementation="eager"))
     if kind == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -48,9 +69,9 @@ def build(kind: str):
 
 def batch(kind: str) -> dict:
     g = torch.Generator().manual_seed(1)
-    if kind == "resnet":  # BatchNorm in train mode: running stats and num_batches_tracked are buffers
+    if kind in ("resnet", "segformer"):  # BatchNorm in train mode: running stats and num_batches_tracked are buffers
         return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g), "labels": torch.tensor([0, 3])}
-    ids = torch.randint(0, 64, (2, 8), generator=g)
+    ids = torch.randint(1 if kind == "longformer" else 0, 64, (2, 8), generator=g)  # Longformer: 0 pads
     return {"input_ids": ids, "labels": ids}
 
 

@@ -99,10 +99,13 @@ Tensor.register_hook = _register_hook  # type: ignore[method-assign]
 Tensor.retain_grad = _retain_grad  # type: ignore[method-assign]
 
 
-def _contiguous(meta: TensorMeta) -> bool:
+def _dense(meta: TensorMeta) -> bool:
+    """Non-overlapping and dense (contiguous up to a permutation of its dims: channels-last, say):
+    ``AccumulateGrad`` gives such a leaf's new gradient the leaf's strides, as the workers' copy
+    does (``worker/backward.py: _laid_out_as``), so the client knows its metadata."""
     expected = 1
-    for size, stride in zip(reversed(meta.size), reversed(meta.stride)):
-        if size != 1 and stride != expected:
+    for size, stride in sorted(((n, s) for n, s in zip(meta.size, meta.stride) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
             return False
         expected *= size
     return True
@@ -193,13 +196,13 @@ def _leaf_text(leaf) -> str:
         return f"a {type(leaf).__name__}"
     if not getattr(leaf, "_wgrad", False):
         return "its requires_grad was set where tdmesh could not see it; mirrored now, for the next forward"
-    return "another mesh or stream, not contiguous, hooked, or its .grad elsewhere"
+    return "another mesh or stream, not dense, hooked, or its .grad elsewhere"
 
 
 def _mirrored_leaf(leaf, mesh, stream) -> bool:
     if type(leaf) is not Tensor or leaf._mesh is not mesh or leaf._stream is not stream:
         return False
-    if not getattr(leaf, "_wgrad", False) or type(leaf._meta) is not TensorMeta or not _contiguous(leaf._meta):
+    if not getattr(leaf, "_wgrad", False) or type(leaf._meta) is not TensorMeta or not _dense(leaf._meta):
         return False
     if leaf._backward_hooks or getattr(leaf, "_post_accumulate_grad_hooks", None):
         return False
@@ -237,7 +240,7 @@ def _run_on_workers(plan, roots: list, grad_roots: list, retain_graph: bool) -> 
 
 
 def _grad_meta(meta: TensorMeta) -> TensorMeta:
-    """A new gradient's metadata, as ``AccumulateGrad`` makes it for a contiguous leaf: the leaf's, from offset 0."""
+    """A new gradient's metadata, as ``AccumulateGrad`` makes it for a dense leaf: the leaf's, from offset 0."""
     return meta if meta.offset == 0 else TensorMeta(meta.size, meta.stride, 0, meta.dtype)
 
 

@@ -28,7 +28,7 @@ from .propagation import TensorMeta, meta_tensor, op_aliasing, propagate, tensor
 from .saved import workers_record
 from .stream import get_active_stream
 from .tensor import Tensor, describe, raise_in_op
-from .unshaped import data_dependent, dispatch_unshaped, no_kernel
+from .unshaped import data_dependent, dispatch_unshaped, meta_stricter, no_kernel
 from .wire import op_path, to_wire
 
 __all__ = ["dispatch", "ship_local", "MESH_MODE"]
@@ -107,9 +107,11 @@ def dispatch(func, args: tuple, kwargs: dict):
         if plan is not None:  # the hot path: this op with this argument metadata was seen before
             mesh = remote[0]._mesh if remote else active_mesh_or_none()
             if mesh is not None and mesh.client is not None:
-                stream = get_active_stream()
-                check_inputs(remote, mesh, func, stream)
-                return _issue_plan(plan, remote, mesh, _op_device(remote, kwargs, mesh.client), stream)
+                device = _op_device(remote, kwargs, mesh.client)
+                if plan.device_type == device.type:  # else a mesh of another device type made it
+                    stream = get_active_stream()
+                    check_inputs(remote, mesh, func, stream)
+                    return _issue_plan(plan, remote, mesh, device, stream)
     name = func._schema.name
     if remote:
         mesh = remote[0]._mesh
@@ -163,13 +165,16 @@ def _issue_plan(plan: OpPlan, remote: list, mesh, device, stream):
 def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
     device = _op_device(remote, kwargs, client)
     try:
-        out = propagate(func, args, kwargs, remote, key)
+        out = propagate(func, args, kwargs, remote, key, device.type)
     except Exception as e:  # noqa: BLE001 - re-raised, with the user's line
         if data_dependent(e):
             return dispatch_unshaped(func, args, kwargs, remote, mesh, device, "its output shape depends on the data")
         if no_kernel(e):
             return dispatch_unshaped(func, args, kwargs, remote, mesh, device,
                                       "torch cannot derive its output metadata without running it")
+        if meta_stricter(func, device.type, e):
+            return dispatch_unshaped(func, args, kwargs, remote, mesh, device,
+                                      f"torch's meta kernel refuses what the {device.type} kernel runs")
         # Errors that metadata reveals are the user's, raised at their line as local torch would.
         if not _retypable(e):
             raise
@@ -182,6 +187,7 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
         plan = make_plan(func, args, kwargs, out, aliasing, _leaf_positions(aliasing, out), len(remote))
     except NotImplementedError as e:
         raise NotImplementedError(f"{e}\n  at {user_line()}") from None
+    plan.device_type = device.type
     if plan.reusable and len(PLANS) < MAX_PLANS:
         try:
             PLANS[key] = plan
@@ -288,19 +294,47 @@ def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:
     data = data.detach()
     if data.device.type != "cpu" or not direct:
         data = data.to("cpu", copy=True)  # its bytes travel; each worker copies to its device
+    order: tuple = ()
     if data.layout is torch.strided:
-        data = data.contiguous()
-    meta = tensor_meta(data)
+        order = _dense_order(data)
+        data = data.permute(order) if order else data.contiguous()
+        meta = tensor_meta(data)
+        if order:  # what the worker makes: the bytes as a contiguous tensor, seen in the original order
+            meta = tensor_meta(torch.empty(meta.size, dtype=meta.dtype, device="meta").permute(_inverse(order)))
+            order = _inverse(order)
+    else:
+        meta = tensor_meta(data)
     stream = stream if stream is not None else get_active_stream()
+    shipped = (device, order) if order else (device,)
 
     def build(seq, results, _mutated):
-        return m.CallFunction(seq, results, (), SHIPPED_FUNCTION, (pack_tensor(data), device), {},
+        return m.CallFunction(seq, results, (), SHIPPED_FUNCTION, (pack_tensor(data), *shipped), {},
                               stream.id)
 
     out = issue(mesh, build, outputs=[New(meta)], device=device, stream=stream)[0]
     if direct and client.outbox.bulk:
         client.flush()
     return out
+
+
+def _dense_order(t: torch.Tensor) -> tuple:
+    """The permutation of ``t``'s dims in which its memory is contiguous, where ``t`` is dense but not
+    contiguous (channels-last, a transpose); else ``()``.  Its bytes then travel as they lie and the
+    worker's tensor has ``t``'s layout, as ``t.to(device)`` keeps it: a channels-last batch stays
+    channels-last, so the worker's kernels take local torch's paths (shipped contiguous, a
+    channels-last CNN's gradients came out a rounding apart from local torch's)."""
+    if t.is_contiguous() or t.dim() < 2:
+        return ()
+    strides = t.stride()
+    order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
+    return order if t.permute(order).is_contiguous() else ()
+
+
+def _inverse(order: tuple) -> tuple:
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return tuple(inverse)
 
 
 _COPY = torch.ops.aten.copy_.default

@@ -34,7 +34,8 @@ MAX_PLANS = 100_000   # past this, ops are sent whole (CallFunction): a loop of 
 
 class OpPlan:
     """One (op, argument metadata) pair, ready to issue; hashed by identity (clients number it)."""
-    __slots__ = ("func", "path", "args", "kwargs", "outputs", "mutated", "single", "spec", "restrides", "reusable")
+    __slots__ = ("func", "path", "args", "kwargs", "outputs", "mutated", "single", "spec", "restrides", "reusable",
+                 "device_type")
 
     def __init__(self, func, path: str, args: tuple, kwargs: dict, outputs: tuple, mutated: tuple, single: bool,
                  spec: Any, restrides: tuple, reusable: bool) -> None:
@@ -48,6 +49,7 @@ class OpPlan:
         self.spec = spec
         self.restrides = restrides  # in-place view ops: (slot, new metadata) of each tensor whose shape changes
         self.reusable = reusable    # it can be kept and sent as a CallOp (every tensor a slot, no restride)
+        self.device_type = ""       # the device its outputs' metadata is for (strides may differ by device)
 
 
 def slot_spans(func, args: tuple, kwargs: dict) -> dict[int, range]:

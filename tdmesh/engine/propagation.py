@@ -1,12 +1,21 @@
 """Output metadata of an op without running it: shapes, strides, dtypes and aliasing.
 
-Ops run on the meta device (fake tensors only where a meta kernel is missing) and the
-answer is cached by the op and its arguments' metadata: a training loop repeats the same
-few hundred (op, shapes) pairs, so after the first step propagation is a dict lookup.
+Ops on CPU workers run on fake CPU tensors: torch's fake tensors take the device's own
+decisions where its kernels differ from the meta device's (a convolution's output memory
+format, FFT and ``linalg.eig`` strides, batch norm's saved statistics), so a proxy's strides
+are the ones the worker's tensor has.  The meta device gave a channels-last convolution a
+contiguous proxy: composite ops then took other paths than local torch (``linear`` on a
+"non-contiguous" input: ``matmul`` + ``add`` instead of ``addmm``, results a rounding apart),
+and code that trusts strides (``as_strided``) read other elements than the worker holds.
+Other devices' ops run on the meta device (fake tensors where a meta kernel is missing).
+The answer is cached by the op, its arguments' metadata and the device type: a training
+loop repeats the same few hundred (op, shapes) pairs, so after the first step propagation
+is a dict lookup.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -146,10 +155,12 @@ _cache: dict = {}
 stats = {"hits": 0, "misses": 0}
 
 
-def propagate(func, args: tuple, kwargs: dict, remote: list, key) -> Propagated:
-    """Run ``func`` on meta stand-ins for the ``remote`` proxies among its arguments;
-    ``key`` names ``func`` and describes the arguments' structure, metadata and values (for
-    the cache)."""
+def propagate(func, args: tuple, kwargs: dict, remote: list, key, device_type: str = "meta") -> Propagated:
+    """Run ``func`` on stand-ins for the ``remote`` proxies among its arguments (fake tensors
+    of ``device_type`` where that is ``"cpu"``, else meta tensors); ``key`` names ``func`` and
+    describes the arguments' structure, metadata and values (for the cache)."""
+    if key is not None:
+        key = (key, device_type)
     try:
         hit = _cache.get(key)
     except TypeError:  # an unhashable argument: propagate without caching
@@ -158,7 +169,11 @@ def propagate(func, args: tuple, kwargs: dict, remote: list, key) -> Propagated:
         stats["hits"] += 1
         return hit
     stats["misses"] += 1
-    out = _run_on_meta(func, args, kwargs, {id(x): x._meta for x in remote})
+    leaf_metas = {id(x): x._meta for x in remote}
+    if device_type == "cpu" and not any(type(meta) is SparseMeta for meta in leaf_metas.values()):
+        out = _run_on_device(func, args, kwargs, leaf_metas, device_type)
+    else:
+        out = _run_on_meta(func, args, kwargs, leaf_metas)
     flat, out_spec = tree_flatten(out)
     leaves = tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else ("value", x) for x in flat)
     result = Propagated(out_spec, leaves, out_spec.is_leaf() and isinstance(out, torch.Tensor),
@@ -193,6 +208,47 @@ def _run_on_meta(func, args, kwargs, leaf_metas):
         return func(*meta_args, **meta_kwargs)
     except NotImplementedError:
         return _run_on_fake(func, args, kwargs, leaf_metas)
+
+
+_fake_modes = threading.local()
+
+
+def _device_mode():
+    """This thread's fake mode for propagation (a mode is entered on one thread's stack; kept,
+    since making one costs ~100 us).  No fallback kernels: an op without a fake or meta kernel
+    goes to :func:`_run_on_fake` as before."""
+    mode = getattr(_fake_modes, "mode", None)
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        mode = _fake_modes.mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+    return mode
+
+
+def _run_on_device(func, args, kwargs, leaf_metas, device_type: str):
+    """``func`` on fake tensors of ``device_type``: each stands on a meta tensor of exactly its
+    proxy's metadata, so nothing is allocated whatever its size."""
+    from torch._subclasses.fake_tensor import FakeTensor, UnsupportedOperatorException
+    mode = _device_mode()
+    device = torch.device(device_type)
+
+    def to_fake(x):
+        meta = leaf_metas.get(id(x))
+        if meta is not None:
+            return FakeTensor(mode, meta_tensor(meta), device)
+        if isinstance(x, torch.device):
+            return device
+        if isinstance(x, torch.Tensor):  # local data shipped to the mesh (torch.tensor(...))
+            return FakeTensor(mode, x.to(_META), device)
+        return x
+
+    fake_args = tree_map(to_fake, args)
+    fake_kwargs = tree_map(to_fake, kwargs)
+    try:
+        with mode:
+            out = func(*fake_args, **fake_kwargs)
+    except (NotImplementedError, UnsupportedOperatorException):
+        return _run_on_fake(func, args, kwargs, leaf_metas)
+    return tree_map(lambda x: meta_tensor(tensor_meta(x)) if isinstance(x, torch.Tensor) else x, out)
 
 
 def _run_on_fake(func, args, kwargs, leaf_metas):

@@ -20,7 +20,7 @@ from .stream import get_active_stream
 from .tensor import Tensor, describe
 from .wire import op_path, to_wire
 
-__all__ = ["dispatch_unshaped", "data_dependent", "no_kernel", "host_values", "SHAPES_READ"]
+__all__ = ["dispatch_unshaped", "data_dependent", "no_kernel", "meta_stricter", "host_values", "SHAPES_READ"]
 
 # the read of an op's output shapes (a guard inside a compiled function: ``Guard.reads_shapes``)
 SHAPES_READ = "tdmesh.worker.builtins.describe"
@@ -102,6 +102,19 @@ def no_kernel(e: Exception) -> bool:
     from torch._subclasses.fake_tensor import UnsupportedOperatorException
     # a library op (torch.library.custom_op) that registers no fake impl says so in text
     return isinstance(e, (NotImplementedError, UnsupportedOperatorException)) or "no fake impl" in str(e)
+
+
+# (op, device type) -> the text of a refusal by torch's meta kernel that the device's kernel does not
+# make: there the workers' kernel decides (and raises its own error where it refuses too).  torch's
+# meta kernel for _grouped_mm checks CUDA's fast path (bfloat16 only); the CPU kernel runs float32,
+# and transformers' MoE layers call it so on CPU.
+_META_STRICTER = {("aten::_grouped_mm", "cpu"): "Expected inputs of BF16 type"}
+
+
+def meta_stricter(func, device_type: str, e: Exception) -> bool:
+    """Whether propagation failed where torch's meta kernel is stricter than the device's kernel."""
+    text = _META_STRICTER.get((func._schema.name, device_type))
+    return text is not None and text in str(e)
 
 
 def data_dependent(e: Exception) -> bool:

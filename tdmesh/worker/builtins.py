@@ -15,12 +15,15 @@ from ..protocol.codec import describe_tensor
 _levels_before: dict[str, int] = {}  # logger name -> its level before this session's set_log_level
 
 
-def shipped(data, device) -> torch.Tensor:
+def shipped(data, device, order: tuple = ()) -> torch.Tensor:
     """A local tensor of the client's (``dispatch.ship_local``) on this worker's device: it
     arrives packed (``codec.pack_tensor``: pickled twice as fast as a tensor, unpickled into
-    memory the tensor then owns), or as itself where bytes cannot carry it (sparse, quantized)."""
+    memory the tensor then owns), or as itself where bytes cannot carry it (sparse, quantized).
+    ``order``: the bytes of a dense, non-contiguous tensor (channels-last) came as they lay in
+    memory; seen in this order they have its layout again (``.to`` keeps a dense layout)."""
     from ..protocol.codec import unpack_tensor
-    return (data if isinstance(data, torch.Tensor) else unpack_tensor(data)).to(device)
+    t = data if isinstance(data, torch.Tensor) else unpack_tensor(data)
+    return (t.permute(order) if order else t).to(device)
 
 
 def mesh_rank(mesh, dims) -> torch.Tensor:

@@ -60,6 +60,12 @@ class Stream:
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self.cuda)
         assert self._queue is not None  # a threaded stream has its queue until close()
+        # A view written in place gets a new grad_fn: autograd rebuilds it as one AsStridedBackward
+        # where a tensor supports as_strided, and by replaying its view ops (ViewBackward,
+        # TransposeBackward, ...) where it does not: the client's proxies.  Replaying here too keeps
+        # this thread's autograd graph the client's (the same gradients; Longformer's chunked
+        # attention writes such views), so backward can run here.  Per thread, as grad mode is.
+        torch._C._set_view_replay_enabled(True)
         _running.stream = self
         get = self._queue.get
         while True:

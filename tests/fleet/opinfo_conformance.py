@@ -5,7 +5,11 @@ prints the rate and every failing sample; ``tests/fleet/test_opinfo.py`` runs it
 Each op of ``op_db`` that supports the dtype gives up to ``SAMPLES_PER_OP`` sample inputs; a
 sample counts when local torch runs it (an input local torch refuses tests nothing here).
 The same inputs (storage and view) are shipped to a one-worker mesh, the op runs there,
-the result is fetched and compared with ``torch.testing.assert_close`` (strides not compared).
+the result is fetched and compared with ``torch.testing.assert_close``, and the strides of the
+proxies the client made (its own metadata of the worker's results) with those of local torch's
+result (dims of size 1 aside: their stride means nothing).  ``layout`` runs each sample as given,
+with its tensors ``permuted`` (4-d channels-last, 5-d channels-last-3d, others column-major), or
+``noncontiguous`` (OpInfo's own non-contiguous copies).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections import Counter
 from typing import NamedTuple
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 import tdmesh
 
@@ -45,6 +49,7 @@ class Outcome(NamedTuple):
     op: str
     sample: int
     error: str | None  # None: identical
+    strides: str | None = None  # None: the client's proxies have local torch's strides
 
 
 def _ship(mesh, value):
@@ -65,7 +70,7 @@ def _ship_tensor(mesh, t: torch.Tensor):
 
 
 def conformance(mesh, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                only: set[str] | None = None) -> list[Outcome]:
+                only: set[str] | None = None, layout: str = "as_given") -> list[Outcome]:
     """Every sample's outcome, op by op.  The samples of ``OPS_PER_ROUND`` ops are issued before
     any of their results is fetched (a fetch resolves in stream order, so each sees its own op's
     result; a failed op fails only what depends on it): one round trip per round, not per sample."""
@@ -87,6 +92,10 @@ def conformance(mesh, device: str = "cpu", dtype: torch.dtype = torch.float32,
                 continue
             for i, sample in enumerate(samples):
                 try:
+                    sample = _laid_out(sample, layout)
+                except Exception:  # noqa: BLE001 - OpInfo cannot lay this sample out so (sparse tensors)
+                    continue
+                try:
                     expected = op(sample.input, *sample.args, **sample.kwargs)
                 except Exception:  # noqa: BLE001 - local torch refuses this input: nothing to compare
                     continue
@@ -100,22 +109,57 @@ def conformance(mesh, device: str = "cpu", dtype: torch.dtype = torch.float32,
 OPS_PER_ROUND = 16
 
 
+def _laid_out(sample, layout: str):
+    if layout == "noncontiguous":
+        return sample.noncontiguous()
+    if layout == "permuted":
+        return sample.transform(_permuted)
+    return sample
+
+
+def _permuted(t):
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.dim() < 2:
+        return t
+    if t.dim() in (4, 5):
+        return t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _strides(value) -> list:
+    """(size, stride) of each dim longer than 1, per tensor leaf of ``value`` (None: not strided)."""
+    leaves = tree_flatten(value)[0]
+    return [tuple((n, s) for n, s in zip(t.shape, t.stride()) if n > 1)
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided else None for t in leaves]
+
+
 def _issue(mesh, op, sample):
-    """The sample run on the mesh: a future of its fetched result, or the text of the error it raised."""
+    """The sample run on the mesh: (a future of its fetched result, its proxies' strides), or the
+    text of the error it raised."""
     try:
         remote_input, remote_args, remote_kwargs = _ship(mesh, (sample.input, sample.args, sample.kwargs))
         with mesh.activate():
             out = op(remote_input, *remote_args, **remote_kwargs)
-            return tdmesh.fetch_shard(out)
+            return tdmesh.fetch_shard(out), _strides(out)
     except Exception as e:  # noqa: BLE001 - any failure is this sample's result
         return _error_text(e)
 
 
 def _settle(pending: list) -> list[Outcome]:
     """The outcomes of the issued samples (and ``pending`` emptied)."""
-    out = [Outcome(name, i, _compare(issued, expected)) for name, i, issued, expected in pending]
+    out = [Outcome(name, i, _compare(issued, expected), _compare_strides(issued, expected))
+           for name, i, issued, expected in pending]
     pending.clear()
     return out
+
+
+def _compare_strides(issued, expected) -> str | None:
+    if isinstance(issued, str):
+        return None
+    proxies, local = issued[1], _strides(expected)
+    for got, want in zip(proxies, local):
+        if got is not None and want is not None and got != want:
+            return f"proxy (size, stride) {got}, local torch {want}"
+    return None
 
 
 def _error_text(e: Exception) -> str:
@@ -127,7 +171,7 @@ def _compare(issued, expected) -> str | None:
     if isinstance(issued, str):
         return issued
     try:
-        got = issued.result()
+        got = issued[0].result()
     except Exception as e:  # noqa: BLE001 - any failure is this sample's result
         return _error_text(e)
     try:
@@ -159,8 +203,10 @@ def summary(outcomes: list[Outcome]) -> str:
     ok = sum(o.error is None for o in outcomes)
     ops = {o.op for o in outcomes}
     failing = Counter(o.op for o in outcomes if o.error is not None)
+    strided = Counter(o.op for o in outcomes if o.strides is not None)
     return (f"{ok}/{len(outcomes)} samples identical ({100.0 * ok / max(len(outcomes), 1):.2f}%) over {len(ops)} ops; "
-            f"{len(failing)} ops with a failing sample")
+            f"{len(failing)} ops with a failing sample; proxies with other strides than local torch's: "
+            f"{sum(strided.values())} samples of {len(strided)} ops")
 
 
 def main() -> int:
@@ -168,14 +214,18 @@ def main() -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--op", action="append", help="only these ops (repeatable)")
+    p.add_argument("--layout", default="as_given", choices=["as_given", "permuted", "noncontiguous"])
     args = p.parse_args()
     start = time.monotonic()
     with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh:
-        outcomes = conformance(mesh, args.device, getattr(torch, args.dtype), set(args.op) if args.op else None)
+        outcomes = conformance(mesh, args.device, getattr(torch, args.dtype), set(args.op) if args.op else None,
+                               args.layout)
     for o in outcomes:
         if o.error is not None:
             print(f"FAIL {o.op}[{o.sample}]: {o.error}")
-    print(f"{args.device} {args.dtype}: {summary(outcomes)} in {time.monotonic() - start:.0f} s")
+        if o.strides is not None:
+            print(f"STRIDES {o.op}[{o.sample}]: {o.strides}")
+    print(f"{args.device} {args.dtype} {args.layout}: {summary(outcomes)} in {time.monotonic() - start:.0f} s")
     return 0
 
 
