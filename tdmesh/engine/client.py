@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import pickle
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -64,7 +65,7 @@ class Client:
         self.children = sorted(conns)
         device = hellos[self.ranks[0]].device
         self.device = torch.device("cuda", 0) if device.startswith("cuda") else torch.device("cpu")
-        self.device_type = self.device.type
+        self.device_type = sys.intern(self.device.type)  # interned: op plans are checked by identity (dispatch.py)
         self.next_ref = 1
         self._next_seq = 0
         self.outbox = Outbox(tuple(self.ranks))

@@ -10,6 +10,8 @@ or a factory under an active mesh, gets its output metadata from :mod:`tdmesh.en
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,8 +109,10 @@ def dispatch(func, args: tuple, kwargs: dict):
         if plan is not None:  # the hot path: this op with this argument metadata was seen before
             mesh = remote[0]._mesh if remote else active_mesh_or_none()
             if mesh is not None and mesh.client is not None:
-                device = _op_device(remote, kwargs, mesh.client)
-                if plan.device_type == device.type:  # else a mesh of another device type made it
+                client = mesh.client
+                device = _op_device(remote, kwargs, client)
+                # a plan's strides are its device type's (propagation.py): the mesh's, or the op's own
+                if plan.device_type is client.device_type or plan.device_type == device.type:
                     stream = get_active_stream()
                     check_inputs(remote, mesh, func, stream)
                     return _issue_plan(plan, remote, mesh, device, stream)
@@ -187,7 +191,7 @@ def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
         plan = make_plan(func, args, kwargs, out, aliasing, _leaf_positions(aliasing, out), len(remote))
     except NotImplementedError as e:
         raise NotImplementedError(f"{e}\n  at {user_line()}") from None
-    plan.device_type = device.type
+    plan.device_type = sys.intern(device.type)  # the client's own (interned) where it is the mesh's type
     if plan.reusable and len(PLANS) < MAX_PLANS:
         try:
             PLANS[key] = plan
