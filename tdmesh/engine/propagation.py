@@ -15,6 +15,7 @@ is a dict lookup.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, NamedTuple
 
@@ -213,6 +214,17 @@ def _run_on_meta(func, args, kwargs, leaf_metas):
 _fake_modes = threading.local()
 
 
+class _QuietWhilePropagating(logging.Filter):
+    """torch's fake mode logs a traceback for every meta kernel that raises; here that is a user
+    error tdmesh raises at the user's line (or a refusal the workers then settle): not logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(_fake_modes, "propagating", False)
+
+
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietWhilePropagating())
+
+
 def _device_mode():
     """This thread's fake mode for propagation (a mode is entered on one thread's stack; kept,
     since making one costs ~100 us).  No fallback kernels: an op without a fake or meta kernel
@@ -221,6 +233,7 @@ def _device_mode():
     if mode is None:
         from torch._subclasses.fake_tensor import FakeTensorMode
         mode = _fake_modes.mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+        mode.cache_enabled = False  # its process-wide dispatch cache is unbounded; ours (above) is bounded
     return mode
 
 
@@ -243,11 +256,14 @@ def _run_on_device(func, args, kwargs, leaf_metas, device_type: str):
 
     fake_args = tree_map(to_fake, args)
     fake_kwargs = tree_map(to_fake, kwargs)
+    _fake_modes.propagating = True
     try:
         with mode:
             out = func(*fake_args, **fake_kwargs)
     except (NotImplementedError, UnsupportedOperatorException):
         return _run_on_fake(func, args, kwargs, leaf_metas)
+    finally:
+        _fake_modes.propagating = False
     return tree_map(lambda x: meta_tensor(tensor_meta(x)) if isinstance(x, torch.Tensor) else x, out)
 
 
