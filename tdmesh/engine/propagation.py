@@ -171,10 +171,14 @@ def propagate(func, args: tuple, kwargs: dict, remote: list, key, device_type: s
         return hit
     stats["misses"] += 1
     leaf_metas = {id(x): x._meta for x in remote}
-    if device_type == "cpu" and not any(type(meta) is SparseMeta for meta in leaf_metas.values()):
-        out = _run_on_device(func, args, kwargs, leaf_metas, device_type)
-    else:
-        out = _run_on_meta(func, args, kwargs, leaf_metas)
+    _fake_modes.propagating = True  # a failure here is the user's error or the workers' question: not logged
+    try:
+        if device_type == "cpu" and not any(type(meta) is SparseMeta for meta in leaf_metas.values()):
+            out = _run_on_device(func, args, kwargs, leaf_metas, device_type)
+        else:
+            out = _run_on_meta(func, args, kwargs, leaf_metas)
+    finally:
+        _fake_modes.propagating = False
     flat, out_spec = tree_flatten(out)
     leaves = tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else ("value", x) for x in flat)
     result = Propagated(out_spec, leaves, out_spec.is_leaf() and isinstance(out, torch.Tensor),
@@ -216,7 +220,10 @@ _fake_modes = threading.local()
 
 class _QuietWhilePropagating(logging.Filter):
     """torch's fake mode logs a traceback for every meta kernel that raises; here that is a user
-    error tdmesh raises at the user's line (or a refusal the workers then settle): not logged."""
+    error tdmesh raises at the user's line (or a refusal the workers then settle): not logged.
+    A logged record also keeps that traceback's frames, and the proxies in them, alive for as long
+    as a handler keeps it (pytest's log capture: a compiled MoE step then never settled, since
+    the state of its previous call still looked alive)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not getattr(_fake_modes, "propagating", False)
@@ -256,14 +263,11 @@ def _run_on_device(func, args, kwargs, leaf_metas, device_type: str):
 
     fake_args = tree_map(to_fake, args)
     fake_kwargs = tree_map(to_fake, kwargs)
-    _fake_modes.propagating = True
     try:
         with mode:
             out = func(*fake_args, **fake_kwargs)
     except (NotImplementedError, UnsupportedOperatorException):
         return _run_on_fake(func, args, kwargs, leaf_metas)
-    finally:
-        _fake_modes.propagating = False
     return tree_map(lambda x: meta_tensor(tensor_meta(x)) if isinstance(x, torch.Tensor) else x, out)
 
 
