@@ -81,7 +81,14 @@ def train(kind: str, optimizer: str, state: dict, data: dict, compiled: bool, st
     model.load_state_dict(state)
     model.train()
     opt = OPTIMIZERS[optimizer](model.parameters())
+    losses, fn = run_steps(model, opt, data, compiled, steps)
+    return losses, model, fn
 
+
+def run_steps(model, opt, data: dict, compiled: bool, steps: int):
+    """``steps`` steps as users write them (``opt.zero_grad()`` between forward and backward):
+    (the detached losses, the step function, compiled by ``tdmesh.compile`` from its first call
+    where ``compiled``)."""
     def step(b):
         loss = model(**b).loss
         opt.zero_grad()
@@ -90,7 +97,7 @@ def train(kind: str, optimizer: str, state: dict, data: dict, compiled: bool, st
         return loss.detach()
 
     fn = tdmesh.compile(step) if compiled else step
-    return [fn(data) for _ in range(steps)], model, fn
+    return [fn(data) for _ in range(steps)], fn
 
 
 def local_reference(kind: str, optimizer: str, steps: int, device: str) -> tuple[dict, list[float], list]:

@@ -27,6 +27,7 @@ from collections import Counter
 import torch
 
 import tdmesh
+from bench.compile_models import run_steps
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
              vocab_size=64, max_position_embeddings=64, head_dim=16, d_model=32, d_ff=64, num_layers=2, num_heads=2,
@@ -93,16 +94,7 @@ def train(kind: str, cfg, state: dict, data: dict, compiled: bool, steps: int):
     model.load_state_dict(state)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-
-    def step(b):
-        loss = model(**b).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    fn = tdmesh.compile(step) if compiled else step
-    return [fn(data) for _ in range(steps)], model
+    return run_steps(model, opt, data, compiled, steps)[0], model
 
 
 def _local(kind: str, cfg, steps: int):
