@@ -15,11 +15,10 @@ running Hugging Face models no one here wrote against local torch, bit for bit:
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 import torch.nn.functional as F
+from _logs import kept_records
 
 import tdmesh
 from tdmesh import fetch_shard
@@ -161,15 +160,7 @@ def test_a_shape_error_is_the_users_and_torchs_fake_mode_logs_nothing(mesh1):
     """Propagation on fake tensors: torch's fake mode logs a traceback for every meta kernel that
     raises; a user's shape error is raised at the user's line, once, with nothing logged."""
     _cpu_only(mesh1)
-    records: list = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    logger.addHandler(handler)
-    try:
-        with mesh1.activate(), pytest.raises(RuntimeError, match="same reduction dim") as raised:
-            torch.ones(2, 3) @ torch.ones(4, 5)
-    finally:
-        logger.removeHandler(handler)
+    with kept_records() as records, mesh1.activate(), pytest.raises(RuntimeError, match="same reduction dim") as raised:
+        torch.ones(2, 3) @ torch.ones(4, 5)
     assert "test_device_metadata.py" in str(raised.value) and "before anything was sent" in str(raised.value)
     assert not records

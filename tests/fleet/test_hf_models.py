@@ -9,12 +9,12 @@ CUDA kernels do not promise one summation order from run to run."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
+from _logs import kept_records  # noqa: E402
+
 from bench.compile_models import CPU_ROWS, ROWS, local_reference, on_mesh  # noqa: E402
 from tdmesh.engine.backward import COUNTS  # noqa: E402
 
@@ -63,15 +63,8 @@ def test_a_compiled_moe_step_settles_while_a_handler_keeps_torchs_fake_mode_reco
     Propagation's failures are not logged now (tdmesh/engine/propagation.py)."""
     if mesh1.device_type != "cpu":
         pytest.skip("a CPU row")
-    kept: list = []
-    handler = logging.Handler()
-    handler.emit = kept.append  # type: ignore[method-assign]
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    logger.addHandler(handler)
-    try:
-        state, want_losses, _ = reference["mixtral", "fused_adamw"]
+    state, want_losses, _ = reference["mixtral", "fused_adamw"]
+    with kept_records() as kept:
         losses, _, fn = on_mesh(mesh1, "mixtral", "fused_adamw", state, STEPS, True)
-    finally:
-        logger.removeHandler(handler)
     assert losses == want_losses and not kept
     assert fn.eager_because is None and sum(r.replays for r in fn.recordings.values()) == STEPS - 3
