@@ -248,7 +248,6 @@ def _set_aside() -> tuple[bool, bool]:
     return mode_aside, saved.set_aside()
 
 
-
 class _NoMesh:
     """``no_mesh.activate()``: torch ops on local tensors run locally again."""
 

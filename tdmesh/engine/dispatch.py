@@ -302,12 +302,10 @@ def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:
     if data.layout is torch.strided:
         order = _dense_order(data)
         data = data.permute(order) if order else data.contiguous()
-        meta = tensor_meta(data)
-        if order:  # what the worker makes: the bytes as a contiguous tensor, seen in the original order
-            meta = tensor_meta(torch.empty(meta.size, dtype=meta.dtype, device="meta").permute(_inverse(order)))
-            order = _inverse(order)
-    else:
-        meta = tensor_meta(data)
+    meta = tensor_meta(data)
+    if order:  # what the worker makes: the bytes as a contiguous tensor, seen in the original order again
+        order = tuple(sorted(range(len(order)), key=order.__getitem__))  # the inverse permutation
+        meta = tensor_meta(torch.empty(meta.size, dtype=meta.dtype, device="meta").permute(order))
     stream = stream if stream is not None else get_active_stream()
     shipped = (device, order) if order else (device,)
 
@@ -332,13 +330,6 @@ def _dense_order(t: torch.Tensor) -> tuple:
     strides = t.stride()
     order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
     return order if t.permute(order).is_contiguous() else ()
-
-
-def _inverse(order: tuple) -> tuple:
-    inverse = [0] * len(order)
-    for position, dim in enumerate(order):
-        inverse[dim] = position
-    return tuple(inverse)
 
 
 _COPY = torch.ops.aten.copy_.default

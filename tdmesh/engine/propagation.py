@@ -196,19 +196,25 @@ def warm_up() -> None:
         torch.ones(2, device=_META).add(1).sum()
 
 
-def _run_on_meta(func, args, kwargs, leaf_metas):
+def _on_meta(value, leaf_metas: dict, device: torch.device = _META):
+    """``value`` with meta stand-ins for its proxies (exactly their metadata) and its local tensors
+    (data shipped to the mesh: ``torch.tensor(...)``), and ``device`` for its devices."""
     def to_meta(x):
         meta = leaf_metas.get(id(x))
         if meta is not None:
             return meta_tensor(meta)
         if isinstance(x, torch.device):
-            return _META
-        if isinstance(x, torch.Tensor):  # local data shipped to the mesh (torch.tensor(...))
+            return device
+        if isinstance(x, torch.Tensor):
             return x.to(_META)
         return x
 
-    meta_args = tree_map(to_meta, args)
-    meta_kwargs = tree_map(to_meta, kwargs)
+    return tree_map(to_meta, value)
+
+
+def _run_on_meta(func, args, kwargs, leaf_metas):
+    meta_args = _on_meta(args, leaf_metas)
+    meta_kwargs = _on_meta(kwargs, leaf_metas)
     try:
         return func(*meta_args, **meta_kwargs)
     except NotImplementedError:
@@ -251,18 +257,11 @@ def _run_on_device(func, args, kwargs, leaf_metas, device_type: str):
     mode = _device_mode()
     device = torch.device(device_type)
 
-    def to_fake(x):
-        meta = leaf_metas.get(id(x))
-        if meta is not None:
-            return FakeTensor(mode, meta_tensor(meta), device)
-        if isinstance(x, torch.device):
-            return device
-        if isinstance(x, torch.Tensor):  # local data shipped to the mesh (torch.tensor(...))
-            return FakeTensor(mode, x.to(_META), device)
-        return x
+    def to_fake(x):  # every tensor of a stand-in value is a meta stand-in
+        return FakeTensor(mode, x, device) if isinstance(x, torch.Tensor) else x
 
-    fake_args = tree_map(to_fake, args)
-    fake_kwargs = tree_map(to_fake, kwargs)
+    fake_args = tree_map(to_fake, _on_meta(args, leaf_metas, device))
+    fake_kwargs = tree_map(to_fake, _on_meta(kwargs, leaf_metas, device))
     try:
         with mode:
             out = func(*fake_args, **fake_kwargs)
