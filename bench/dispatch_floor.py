@@ -137,10 +137,12 @@ def main(argv=None) -> int:
               f"{without_s / args.steps * 1e3:.2f} ms a step, {without_messages} messages, {without_s / full:.2f}x "
               f"the whole step's client time: what the client would keep if the workers ran backward")
         print(f"\nthe step as bench.train_step runs it (TDMESH_BACKWARD=auto: backward one message, run by the "
-              f"workers' autograd), {steps[2]} messages a step; the floors of its forward and optimizer:")
+              f"workers' autograd), {steps[2]} messages a step; the floors of its forward and optimizer. 'us per "
+              f"op': the client's time for the step's {messages} ops (the per-op path's messages, issue 29's unit)")
         floor = auto[GIVEN_NO_BACKWARD]
-        h.print_table(["step", "ms per step", "over given proxies, no backward"],
-                      [[name, f"{s / args.steps * 1e3:.2f}", f"{(s - floor) / args.steps * 1e3:+.2f} ms"]
+        h.print_table(["step", "ms per step", "us per op", "over given proxies, no backward"],
+                      [[name, f"{s / args.steps * 1e3:.2f}", f"{s / args.steps / messages * 1e6:.2f}",
+                        f"{(s - floor) / args.steps * 1e3:+.2f} ms"]
                        for name, s in [(ON_WORKERS, auto[ON_WORKERS]), (NO_BACKWARD, without_s),
                                        (PLAN_NO_BACKWARD, auto[PLAN_NO_BACKWARD]), (GIVEN_NO_BACKWARD, floor)]])
     return 0

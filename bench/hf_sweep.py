@@ -79,36 +79,41 @@ def build(kind: str, cfg):
     return getattr(transformers, HEADS[kind]).from_config(cfg, attn_implementation="eager")
 
 
-def batch(kind: str) -> dict:
+def batch(kind: str, channels_last: bool = False) -> dict:
     g = torch.Generator().manual_seed(1)
     if kind == "image":
-        return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g), "labels": torch.tensor([0, 3])}
+        pixels = torch.randn(2, 3, 32, 32, generator=g)
+        if channels_last:
+            pixels = pixels.contiguous(memory_format=torch.channels_last)
+        return {"pixel_values": pixels, "labels": torch.tensor([0, 3])}
     ids = torch.randint(3, 64, (2, 8), generator=g)
     if kind == "seq2seq":
         return {"input_ids": ids, "labels": torch.randint(3, 64, (2, 6), generator=g)}
     return {"input_ids": ids, "labels": ids}
 
 
-def train(kind: str, cfg, state: dict, data: dict, compiled: bool, steps: int):
+def train(kind: str, cfg, state: dict, data: dict, compiled: bool, steps: int, channels_last: bool = False):
     model = build(kind, cfg)
     model.load_state_dict(state)
     model.train()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     return run_steps(model, opt, data, compiled, steps)[0], model
 
 
-def _local(kind: str, cfg, steps: int):
+def _local(kind: str, cfg, steps: int, channels_last: bool):
     with torch.device("meta"):
         n = sum(p.numel() for p in build(kind, cfg).parameters())
     if n > MAX_PARAMETERS:
         raise ValueError(f"{n} parameters")
     torch.manual_seed(0)
     state = build(kind, cfg).state_dict()
-    data = batch(kind)
+    data = batch(kind, channels_last)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a worker runs: two thread counts may sum a matmul in different orders
     try:
-        losses, model = train(kind, cfg, state, data, False, steps)
+        losses, model = train(kind, cfg, state, data, False, steps, channels_last)
     finally:
         torch.set_num_threads(threads)
     return state, data, [x.item() for x in losses], [p.detach() for p in model.parameters()]
@@ -118,10 +123,11 @@ class _Timeout(Exception):
     pass
 
 
-def _on_mesh(mesh, kind, cfg, state, data, steps, compiled, want, want_params) -> str:
+def _on_mesh(mesh, kind, cfg, state, data, steps, compiled, want, want_params, channels_last) -> str:
     with mesh.activate(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        losses, model = train(kind, cfg, tdmesh.to_mesh(state, mesh), tdmesh.to_mesh(data, mesh), compiled, steps)
+        losses, model = train(kind, cfg, tdmesh.to_mesh(state, mesh), tdmesh.to_mesh(data, mesh), compiled, steps,
+                              channels_last)
         got = [tdmesh.fetch_shard(x).result().item() for x in losses]
         params = tdmesh.fetch_shard([p.detach() for p in model.parameters()]).result()
     if got == want and all(torch.equal(a, b) for a, b in zip(params, want_params)):
@@ -130,7 +136,7 @@ def _on_mesh(mesh, kind, cfg, state, data, steps, compiled, want, want_params) -
     return f"MISMATCH losses {got} vs {want}, parameters up to {worst:.3g} apart"
 
 
-def sweep(mesh, kind: str, model_types: list[str], steps: int, seconds: int) -> Counter:
+def sweep(mesh, kind: str, model_types: list[str], steps: int, seconds: int, channels_last: bool = False) -> Counter:
     outcomes: Counter = Counter()
 
     def alarm(*_):
@@ -142,7 +148,7 @@ def sweep(mesh, kind: str, model_types: list[str], steps: int, seconds: int) -> 
             cfg = config(kind, model_type)
             if cfg is None:
                 raise ValueError("a composite config")
-            state, data, want, want_params = _local(kind, cfg, steps)
+            state, data, want, want_params = _local(kind, cfg, steps, channels_last)
         except Exception as e:  # noqa: BLE001 - what this generic recipe cannot make: not tdmesh's
             print(f"{kind:8} {model_type:26} SKIP {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
             outcomes["SKIP"] += 1
@@ -151,7 +157,7 @@ def sweep(mesh, kind: str, model_types: list[str], steps: int, seconds: int) -> 
             start = time.monotonic()
             signal.alarm(seconds)
             try:
-                said = _on_mesh(mesh, kind, cfg, state, data, steps, compiled, want, want_params)
+                said = _on_mesh(mesh, kind, cfg, state, data, steps, compiled, want, want_params, channels_last)
             except _Timeout:
                 said = "TIMEOUT"
             except Exception as e:  # noqa: BLE001 - tdmesh refused what torch ran
@@ -170,6 +176,8 @@ def main(argv=None) -> None:
     p.add_argument("--model", action="append", help="only these model types (repeatable)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timeout", type=int, default=240, help="seconds a row may take on the mesh")
+    p.add_argument("--channels-last", action="store_true",
+                   help="image models and batches channels-last (model.to(memory_format=...)), as convnets train")
     args = p.parse_args(argv)
     os.environ["TDMESH_DEVICE"] = "cpu"
     import transformers
@@ -181,7 +189,7 @@ def main(argv=None) -> None:
             model_types = list(getattr(modeling_auto, MAPPINGS[kind]))
             if args.model:
                 model_types = [t for t in model_types if t in args.model]
-            total += sweep(mesh, kind, model_types, args.steps, args.timeout)
+            total += sweep(mesh, kind, model_types, args.steps, args.timeout, args.channels_last)
     print("rows: " + ", ".join(f"{k} {v}" for k, v in sorted(total.items())))
 
 

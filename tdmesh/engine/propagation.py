@@ -24,6 +24,7 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..protocol.codec import describe_tensor
+from .kernel_layouts import corrected
 
 _META = torch.device("meta")
 
@@ -181,6 +182,9 @@ def propagate(func, args: tuple, kwargs: dict, remote: list, key, device_type: s
         _fake_modes.propagating = False
     flat, out_spec = tree_flatten(out)
     leaves = tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else ("value", x) for x in flat)
+    if device_type == "cpu":
+        leaves = corrected(func, op_aliasing(func), args, kwargs, lambda x: leaf_metas.get(id(x)) or tensor_meta(x),
+                           leaves, device_type)
     result = Propagated(out_spec, leaves, out_spec.is_leaf() and isinstance(out, torch.Tensor),
                         any(type(leaf) is SparseMeta for leaf in leaves))
     if key is not None and len(_cache) < 100_000:

@@ -107,8 +107,11 @@ def no_kernel(e: Exception) -> bool:
 # (op, device type) -> the text of a refusal by torch's meta kernel that the device's kernel does not
 # make: there the workers' kernel decides (and raises its own error where it refuses too).  torch's
 # meta kernel for _grouped_mm checks CUDA's fast path (bfloat16 only); the CPU kernel runs float32,
-# and transformers' MoE layers call it so on CPU.
-_META_STRICTER = {("aten::_grouped_mm", "cpu"): "Expected inputs of BF16 type"}
+# and transformers' MoE layers call it so on CPU.  Its meta ``view_copy`` views, where the device's
+# kernels reshape: a transposed input is refused (CPU meshes propagate on fake CPU tensors, which run
+# the CPU kernel's rule; CUDA meshes on the meta device).
+_META_STRICTER = {("aten::_grouped_mm", "cpu"): "Expected inputs of BF16 type",
+                  ("aten::view_copy", "cuda"): "view size is not compatible with input tensor's size and stride"}
 
 
 def meta_stricter(func, device_type: str, e: Exception) -> bool:

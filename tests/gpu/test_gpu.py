@@ -281,6 +281,17 @@ def test_resize_of_a_cuda_proxy_is_refused_before_anything_is_sent():
         assert x.shape == (4,) and tdmesh.fetch_shard(x * 2).result().tolist() == [0.0, 2.0, 4.0, 6.0]
 
 
+def test_view_copy_of_a_transposed_cuda_tensor_runs_as_locally():
+    """torch's meta ``view_copy`` refuses an input a view cannot reshape; CUDA's kernel copies it.
+    A CUDA mesh propagates on the meta device, so the workers' kernel decides (one round trip)."""
+    local = torch.arange(24.0, device="cuda").reshape(4, 6).t()
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh, mesh.activate():
+        x = torch.arange(24.0).reshape(4, 6).t()
+        y = torch.ops.aten.view_copy(x, (4, 6))
+        assert y.shape == (4, 6) and y.stride() == (6, 1)
+        assert torch.equal(tdmesh.fetch_shard(y).result().cuda(), torch.ops.aten.view_copy(local, (4, 6)))
+
+
 @pytest.mark.parametrize("flags", [{}, {"capturable": True}, {"fused": True}], ids=["default", "capturable", "fused"])
 def test_adamw_on_a_cuda_mesh_takes_torchs_fast_paths(flags):
     """On CUDA, AdamW defaults to foreach for remote parameters as for plain CUDA tensors;

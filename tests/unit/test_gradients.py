@@ -20,7 +20,7 @@ def assert_same(got, expected) -> None:
         assert (g is None) == (e is None), (g, e)
         if e is not None:
             assert g.shape == e.shape and g.dtype == e.dtype
-            torch.testing.assert_close(g, e)
+            torch.testing.assert_close(g, e, equal_nan=True)  # a drawn exp can overflow: nan where torch has nan
 
 
 def test_two_roots_from_one_node():
