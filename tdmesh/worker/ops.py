@@ -97,6 +97,19 @@ def holds(obj, kind: type) -> bool:
     return False
 
 
+def found(obj, kind: type, into: list) -> list:
+    """Every ``kind`` in ``obj`` and its tuples, lists and dicts, in order, appended to ``into``."""
+    if type(obj) is kind:
+        into.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            found(x, kind, into)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            found(x, kind, into)
+    return into
+
+
 def _raiser(error: Exception) -> Callable[[list], Any]:
     def run(values: list) -> Any:
         raise error

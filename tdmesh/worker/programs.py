@@ -31,7 +31,7 @@ from ..protocol.arguments import SHIPPED_FUNCTION
 from . import collectives
 from .functions import resolve
 from .inductor import CompiledGraph, GraphBuilder, graphable
-from .ops import call_source, holds, on_device
+from .ops import call_source, found, holds, on_device
 from .values import Poison
 
 _PLAIN = (m.CallOp, m.CallFunction, m.Reduce, m.ReduceMany)
@@ -345,9 +345,7 @@ def _last_reads(commands, interp) -> dict[int, int]:
         if t is m.CallOp:
             read = (*c[4], *c[3])
         elif t is m.CallFunction:
-            refs: list[int] = []
-            _collect_refs((c.args, c.kwargs), refs)
-            read = (*refs, *c.mutates)
+            read = (*(ref.id for ref in found((c.args, c.kwargs), m.Ref, [])), *c.mutates)
         elif t is m.Reduce:
             read = tuple(r for r in (c.tensor, c.out) if r is not None)
         elif t is m.ReduceMany:
@@ -357,18 +355,6 @@ def _last_reads(commands, interp) -> dict[int, int]:
         for r in read:
             last[r] = index
     return last
-
-
-def _collect_refs(obj, refs: list[int]) -> None:
-    t = type(obj)
-    if t is m.Ref:
-        refs.append(obj.id)
-    elif t is tuple or t is list:
-        for x in obj:
-            _collect_refs(x, refs)
-    elif t is dict:
-        for x in obj.values():
-            _collect_refs(x, refs)
 
 
 def _failure_targets(c, interp) -> tuple[tuple, tuple, Any]:
