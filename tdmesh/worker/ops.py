@@ -42,6 +42,10 @@ class DefinedOp:
             # an aten overload is called through its C++ operation: OpOverload.__call__ only forwards
             # to it, one Python frame (~0.5 us) per op on the worker's hot path
             consts["fn"] = self.fn._op if isinstance(self.fn, torch._ops.OpOverload) else self.fn
+            schema = getattr(self.fn, "_schema", None)
+            if device.type == "cuda" and getattr(schema, "name", None) in _ON_THE_DEFAULT_STREAM:
+                # programs call ``fn`` too (and keep a plain function out of inductor graphs)
+                self.fn = consts["fn"] = _on_the_default_stream(consts["fn"])
         except Exception as e:  # noqa: BLE001 - every call of the op fails with it, as CallFunction's would
             self.run: Callable[[list], Any] = _raiser(e)
         else:
@@ -49,6 +53,31 @@ class DefinedOp:
             exec(compile(source, f"<tdmesh op {msg.op}: {msg.function}>", "exec"), consts)  # noqa: S102
             self.run = consts["run"]
         self.slots = len(slots)
+
+
+# ops whose CUDA kernels go wrong on a stream other than the default one: torch 2.11's linalg_eig, on
+# one H200, gave other eigenvalues (no error) for a column-major input made on a side stream, and
+# from then on for column-major inputs on any stream; on the default stream its results are local
+# torch's.  A worker runs every op on its own streams.
+_ON_THE_DEFAULT_STREAM = frozenset({"aten::linalg_eig", "aten::_linalg_eigvals"})
+
+
+def _on_the_default_stream(fn: Callable) -> Callable:
+    """``fn`` run on the device's default stream, ordered after the current stream's work and before
+    its later work; its tensors are marked used by the current stream (they were allocated on the other)."""
+    def run(*args, **kwargs):
+        current, default = torch.cuda.current_stream(), torch.cuda.default_stream()
+        if current == default:
+            return fn(*args, **kwargs)
+        default.wait_stream(current)
+        with torch.cuda.stream(default):
+            out = fn(*args, **kwargs)
+        current.wait_stream(default)
+        for t in out if isinstance(out, tuple) else (out,):
+            if isinstance(t, torch.Tensor):
+                t.record_stream(current)
+        return out
+    return run
 
 
 def call_source(fn: str, args, kwargs: dict, slot: Callable[[int], str], consts: dict[str, Any]) -> str:

@@ -281,6 +281,26 @@ def test_resize_of_a_cuda_proxy_is_refused_before_anything_is_sent():
         assert x.shape == (4,) and tdmesh.fetch_shard(x * 2).result().tolist() == [0.0, 2.0, 4.0, 6.0]
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_eigenvalues_of_a_column_major_matrix_on_a_cuda_worker_are_local_torchs(compiled):
+    """torch 2.11's CUDA linalg_eig gave other eigenvalues, silently, for a column-major input made on
+    a stream other than the default one (one H200; from then on on any stream): a worker runs it on
+    its device's default stream (worker/ops.py).  Eager ops and compiled programs both."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 5)
+    want = torch.linalg.eigvals(x)
+
+    def eigenvalues(t):
+        return torch.linalg.eigvals(t.t().contiguous().t() * 1.0)
+
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh, mesh.activate():
+        fn = tdmesh.compile(eigenvalues) if compiled else eigenvalues
+        remote = tdmesh.to_mesh(x, mesh)
+        for _ in range(3):
+            got = tdmesh.fetch_shard(fn(remote)).result().cpu()
+            assert torch.allclose(got, want, atol=1e-4), (got, want)
+
+
 def test_view_copy_of_a_transposed_cuda_tensor_runs_as_locally():
     """torch's meta ``view_copy`` refuses an input a view cannot reshape; CUDA's kernel copies it.
     A CUDA mesh propagates on the meta device, so the workers' kernel decides (one round trip)."""
