@@ -35,6 +35,7 @@ def _dense(meta) -> bool:
     """A dense tensor's metadata (not a sparse structure, not a non-tensor output)."""
     return hasattr(meta, "stride") and hasattr(meta, "offset")
 
+
 _CHANNELS_LAST = {4: (torch.channels_last, (1, 3, 2, 0)), 5: (torch.channels_last_3d, (1, 4, 3, 2, 0))}
 
 
