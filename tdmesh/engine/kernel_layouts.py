@@ -24,7 +24,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["corrected"]
+__all__ = ["corrected", "extent"]
 
 # A dense tensor's metadata is propagation's ``TensorMeta`` (size, stride, offset, dtype), read and
 # remade here by its fields (``_replace``): propagation imports this module, not the other way.
@@ -115,12 +115,12 @@ _RULES = {
 }
 
 
-def corrected(func, aliasing, args: tuple, kwargs: dict, metas, leaves: tuple, device_type: str) -> tuple:
-    """``leaves`` (the propagated outputs' metadata) laid out as the CPU kernel lays them out, where
-    torch's fake kernels may not: where an input is not plainly contiguous the kernel itself is
-    asked (:func:`_probed`); else a batch norm's output follows the rules above, at any size.
-    ``metas(x)`` gives an argument's metadata (a proxy's or a local tensor's)."""
-    if device_type != "cpu" or not leaves:
+def corrected(func, aliasing, args: tuple, kwargs: dict, metas, leaves: tuple) -> tuple:
+    """``leaves`` (the propagated outputs' metadata on a CPU mesh) laid out as the CPU kernel lays
+    them out, where torch's fake kernels may not: where an input is not plainly contiguous the
+    kernel itself is asked (:func:`_probed`); else a batch norm's output follows the rules above,
+    at any size.  ``metas(x)`` gives an argument's metadata (a proxy's or a local tensor's)."""
+    if not leaves:
         return leaves
     probed = _probed(func, aliasing, args, kwargs, metas, leaves)
     if probed is not None:
@@ -173,7 +173,7 @@ def _probed(func, aliasing, args: tuple, kwargs: dict, metas, leaves: tuple) -> 
         shrunk = {i: _shrunk(m) for i, m in inputs.items()}
         if all(v is not None for v in shrunk.values()):
             attempts.append((shrunk, True))
-    if sum(_extent(m) for m in inputs.values()) <= _PROBE_ELEMENTS:
+    if sum(extent(m.size, m.stride, m.offset) for m in inputs.values()) <= _PROBE_ELEMENTS:
         attempts.append(({i: (m.size, m.stride, m.offset) for i, m in inputs.items()}, False))
     for stand_ins, shrunk_ in attempts:
         real = _run(func, flat, spec, inputs, stand_ins)
@@ -189,8 +189,8 @@ def _run(func, flat: list, spec, inputs: dict, stand_ins: dict) -> list | None:
     try:
         with no_dispatch(), torch._C.DisableTorchFunction():
             for i, (size, stride, offset) in stand_ins.items():
-                extent = _extent(inputs[i]._replace(size=size, stride=stride, offset=offset))
-                flat[i] = torch.zeros(extent, dtype=inputs[i].dtype).as_strided(size, stride, offset)
+                flat[i] = torch.zeros(extent(size, stride, offset), dtype=inputs[i].dtype).as_strided(
+                    size, stride, offset)
             real_args, real_kwargs = tree_unflatten(flat, spec)
             return tree_flatten(func(*real_args, **real_kwargs))[0]
     except Exception:  # noqa: BLE001 - zeros or a shrunk shape the kernel refuses: the next attempt, or the fakes
@@ -271,22 +271,11 @@ def _grown(size: tuple, small_size: tuple, small_stride: tuple) -> tuple | None:
     for d in order:
         big, small = big * size[d], small * 2
         grown[small] = big
-    if any(small_stride[d] not in grown for d in range(len(size))):
+    if any(s not in grown for s in small_stride):
         return None
-    return tuple(grown[small_stride[d]] if size[d] == 1 else _product(size, order, d) for d in range(len(size)))
+    return tuple(grown[s] for s in small_stride)  # a dim's shrunk stride names the dims inner to it
 
 
-def _product(size: tuple, order: list, dim: int) -> int:
-    """The stride of ``dim`` in a dense layout of ``size`` in ``order`` (innermost first)."""
-    stride = 1
-    for d in order:
-        if d == dim:
-            return stride
-        stride *= size[d]
-    raise AssertionError("a dim of size > 1 outside its layout's order")
-
-
-def _extent(meta: Meta) -> int:
-    if not all(meta.size):
-        return meta.offset
-    return meta.offset + 1 + sum((n - 1) * s for n, s in zip(meta.size, meta.stride))
+def extent(size: tuple, stride: tuple, offset: int) -> int:
+    """The elements of storage a strided layout spans (its offset included)."""
+    return offset + (1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0)

@@ -24,7 +24,7 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..protocol.codec import describe_tensor
-from .kernel_layouts import corrected
+from .kernel_layouts import corrected, extent
 
 _META = torch.device("meta")
 
@@ -104,8 +104,7 @@ def meta_tensor(meta: TensorMeta | SparseMeta) -> torch.Tensor:
         if isinstance(meta, SparseMeta):
             return _sparse_meta_tensor(meta)
         size, stride, offset, dtype = meta
-        extent = offset + (1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0)
-        base = torch.empty((extent,), dtype=dtype, device=_META)
+        base = torch.empty((extent(size, stride, offset),), dtype=dtype, device=_META)
         return base.as_strided(size, stride, offset)
 
 
@@ -184,7 +183,7 @@ def propagate(func, args: tuple, kwargs: dict, remote: list, key, device_type: s
     leaves = tuple(tensor_meta(x) if isinstance(x, torch.Tensor) else ("value", x) for x in flat)
     if device_type == "cpu":
         leaves = corrected(func, op_aliasing(func), args, kwargs, lambda x: leaf_metas.get(id(x)) or tensor_meta(x),
-                           leaves, device_type)
+                           leaves)
     result = Propagated(out_spec, leaves, out_spec.is_leaf() and isinstance(out, torch.Tensor),
                         any(type(leaf) is SparseMeta for leaf in leaves))
     if key is not None and len(_cache) < 100_000:
