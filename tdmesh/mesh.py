@@ -9,6 +9,7 @@ live here too.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -68,13 +69,11 @@ class DeviceMesh:
         """The global ranks of this mesh as a :class:`Slice`."""
         return self._shape.slice
 
-    @property
+    @functools.cached_property
     def rank_list(self) -> tuple[int, ...]:
-        """The global ranks in mesh order (cached: the send path walks it for every op)."""
-        ranks = self.__dict__.get("_rank_list")
-        if ranks is None:
-            ranks = self.__dict__["_rank_list"] = RankList(self._shape.slice)
-        return ranks
+        """The global ranks in mesh order (cached, and read as a plain attribute after: the send path
+        reads it for every op)."""
+        return RankList(self._shape.slice)
 
     def size(self, dims: None | str | Sequence[str] = None) -> int:
         """Ranks along ``dims``: all dims for ``None``, a product for a sequence."""

@@ -28,6 +28,7 @@ from ..protocol import messages as m
 from ..protocol.transport import Connection, encode
 from . import coalescing
 from .debugging import Debugger
+from .flusher import flush_loop
 from .future import Future
 from .history import History
 from .observation import Observations
@@ -96,7 +97,7 @@ class Client:
         self._reader.start()
         self._flusher_idle = False  # the flusher waits on _work_queued, not the clock (see _flush_loop)
         self._work_queued = threading.Event()
-        self._flusher = threading.Thread(target=self._flush_loop, name="tdmesh-flusher", daemon=True)
+        self._flusher = threading.Thread(target=flush_loop, args=(self,), name="tdmesh-flusher", daemon=True)
         self._flusher.start()
         self._handlers: dict[type, Callable[[int, Any], None]] = {
             m.Status: self.Status, m.FetchResult: self.FetchResult, m.RemoteFunctionFailed: self.RemoteFunctionFailed,
@@ -152,18 +153,37 @@ class Client:
                 outbox.append_message(set_id, msg)
             else:  # CallOps and CallRecordings travel as bare tuples (see messages.CallOp)
                 outbox.append(set_id, _dumps(tuple(msg) if type(msg) in _BARE else msg, _PROTOCOL))
-            if self._flusher_idle:
-                self._wake_flusher()
-            if seq is not None:
-                self._ops_since_probe += 1
-                if self._ops_since_probe >= self._probe_every:
-                    self._queue_probe(seq)  # after the op itself: the probe must not overtake it
-            if coalescing._depth:  # coalescing.depth(), without the call: once per op
-                coalescing.clients().add(self)
-                if outbox.bytes > _COALESCED_BATCH_BYTES:  # a long block streams: the workers start on it
-                    self.flush()
-            elif outbox.bytes > _FLUSH_BYTES or _monotonic() - self._last_flush > self.flush_interval:
+            self._queued(seq)
+
+    def queue_op(self, ranks, op: int, result: int, refs: tuple, stream: int, site) -> None:
+        """``submit`` of the CallOp of plan number ``op`` reading ``refs`` and defining ``result``, the
+        eager hot path's (``issue.issue_lean``, which holds the lock): its seq is taken here."""
+        if self.failure is not None or self.closed:
+            self.check_usable()
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        self.history.add(seq, refs, (result,), site)
+        outbox = self.outbox
+        found = outbox.known.get(id(ranks))
+        set_id = found[1] if found is not None and found[0] is ranks else outbox.set_id(ranks)
+        outbox.append(set_id, _dumps((seq, op, (result,), (), refs, stream), _PROTOCOL))  # a bare CallOp
+        self._queued(seq)
+
+    def _queued(self, seq: int | None) -> None:
+        """After a message is queued (the caller holds the lock): wake an idle flusher, probe progress
+        every so many ops, send when enough is queued or the interval has passed."""
+        if self._flusher_idle:
+            self._wake_flusher()
+        if seq is not None:
+            self._ops_since_probe += 1
+            if self._ops_since_probe >= self._probe_every:
+                self._queue_probe(seq)  # after the op itself: the probe must not overtake it
+        if coalescing._depth:  # coalescing.depth(), without the call: once per op
+            coalescing.clients().add(self)
+            if self.outbox.bytes > _COALESCED_BATCH_BYTES:  # a long block streams: the workers start on it
                 self.flush()
+        elif self.outbox.bytes > _FLUSH_BYTES or _monotonic() - self._last_flush > self.flush_interval:
+            self.flush()
 
     def send_setup(self, msg, ranks=None) -> None:
         """A message that sets the fleet up (groups, recordings, supervision): never part of a
@@ -186,7 +206,7 @@ class Client:
         """From the supervisor thread: probe progress if the user is not sending anything."""
         if self.lock.acquire(timeout=0.1):
             try:  # a coalescing block's messages stay held: the block's exit sends them
-                if not self.closed and self.failure is None and self._next_seq and not self._coalescing_held():
+                if not self.closed and self.failure is None and self._next_seq and not self.coalescing_held():
                     self._queue_probe(self._next_seq - 1)
                     self.flush()
             finally:
@@ -269,42 +289,13 @@ class Client:
                     self._fail_fleet(self.info.lost(key, self.info.exit_reason() or f"sending to it failed: {e}"))
             self.outbox.sent(sum(memoryview(p).nbytes for p in parts), len(self.conns))
 
-    def _flush_loop(self) -> None:
-        """Sends what a thread that stopped issuing left queued.  While a thread issues it flushes
-        itself (``submit``, every ``flush_interval``), and this thread keeps off the lock: taking it
-        between two ops made the issuing thread wait for it and for the GIL (the tiny GPT's eager
-        step 1.23x slower in an A/B on 2 cores, ``.dbg/ab_flusher.py``).  With nothing queued it
-        sleeps until something is (``_wake_flusher``), not every 2 ms: an idle client took 2.6% of a
-        core waking up to find nothing to send."""
-        while not self.closed:
-            if self._nothing_to_send():
-                self._work_queued.clear()
-                self._flusher_idle = True  # from here a queuing thread wakes it...
-                if self._nothing_to_send():  # ...so what was queued before this line is seen here
-                    self._work_queued.wait()
-                self._flusher_idle = False
-                continue
-            time.sleep(self.flush_interval)
-            if _monotonic() - self._last_flush < self.flush_interval:
-                continue
-            if (self.outbox.log or self._deletes) and not self._coalescing_held():
-                if self.lock.acquire(timeout=0.05):
-                    try:
-                        if not self.closed and self.failure is None:
-                            self.flush()
-                    finally:
-                        self.lock.release()
-
-    def _nothing_to_send(self) -> bool:
-        return self.failure is not None or not (self.outbox.log or self._deletes)
-
     def _wake_flusher(self) -> None:
         """Something is queued for an idle flusher (a check of ``_flusher_idle`` first: one attribute
         read per op, the event only after an idle spell)."""
         self._flusher_idle = False
         self._work_queued.set()
 
-    def _coalescing_held(self) -> bool:
+    def coalescing_held(self) -> bool:
         """True while a coalescing block holds this client's messages back."""
         return self in coalescing.held_clients
 

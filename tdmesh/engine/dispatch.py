@@ -23,8 +23,8 @@ from ..protocol.arguments import SHIPPED_FUNCTION
 from ..protocol.codec import pack_tensor
 from .context import active_mesh_or_none
 from .host_reads import read_name, read_on_host
-from .issue import New, issue, issue_op
-from .placement import check_inputs, check_mutation
+from .issue import New, issue, issue_lean, issue_op
+from .placement import check_inputs, check_mutation, plainly_placed
 from .plan import MAX_PLANS, PLANS, OpPlan, make_plan, outputs_of
 from .propagation import TensorMeta, meta_tensor, op_aliasing, propagate, tensor_meta
 from .saved import workers_record
@@ -89,8 +89,12 @@ def _scan(obj, remote: list, local: list):
     return obj
 
 
-def dispatch(func, args: tuple, kwargs: dict):
-    """Turn one aten call into a remote op and return its result proxies."""
+def dispatch(_caller, func, _types, args: tuple = (), kwargs: dict | None = None):
+    """Turn one aten call into a remote op and return its result proxies.  This is ``__torch_dispatch__``
+    itself, of the mesh's mode and of ``Tensor`` (``_caller`` is the mode or the class): one frame on
+    either path, which the call-site captures of :mod:`tdmesh.engine.issue` count on."""
+    if kwargs is None:
+        kwargs = {}
     remote: list = []
     local: list = []
     parts: list = []
@@ -108,12 +112,14 @@ def dispatch(func, args: tuple, kwargs: dict):
             plan = None
         if plan is not None:  # the hot path: this op with this argument metadata was seen before
             mesh = remote[0]._mesh if remote else active_mesh_or_none()
-            if mesh is not None and mesh.client is not None:
-                client = mesh.client
-                device = _op_device(remote, kwargs, client)
+            client = mesh.client if mesh is not None else None
+            if client is not None:
+                device = remote[0].device if remote else _op_device(remote, kwargs, client)
                 # a plan's strides are its device type's (propagation.py): the mesh's, or the op's own
                 if plan.device_type is client.device_type or plan.device_type == device.type:
                     stream = get_active_stream()
+                    if plan.lean is not None and plainly_placed(remote, mesh, stream):
+                        return issue_lean(mesh, plan, remote, device, stream)
                     check_inputs(remote, mesh, func, stream)
                     return _issue_plan(plan, remote, mesh, device, stream)
     name = func._schema.name
@@ -338,16 +344,9 @@ _COPY = torch.ops.aten.copy_.default
 class _MeshMode(TorchDispatchMode):
     """Active while any mesh is: factory calls and ops on remote tensors go to the mesh."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return dispatch(func, args, kwargs or {})
-
-
-def _mode_dispatch(self, func, types, args=(), kwargs=None):
-    return dispatch(func, args, kwargs or {})
-
 
 # torch wraps a mode's __torch_dispatch__ in a dynamo-disable shim (several microseconds per
-# op); tdmesh is never traced by dynamo, so the hot path calls the plain function.
-_MeshMode.__torch_dispatch__ = _mode_dispatch  # type: ignore[method-assign]
+# op); tdmesh is never traced by dynamo, so the hot path is the plain function.
+_MeshMode.__torch_dispatch__ = dispatch  # type: ignore[method-assign]
 MESH_MODE = _MeshMode()
-Tensor.dispatch = staticmethod(dispatch)
+Tensor.__torch_dispatch__ = classmethod(dispatch)  # type: ignore[assignment,method-assign]

@@ -8,32 +8,41 @@ then is its future resolved, so a resolved future has seen every earlier error.
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import bisect_left
 from collections.abc import Iterable
-from typing import Any
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 from ..errors import ProtocolViolation, RemoteException
 from ..protocol import messages as m
 from .future import Future, ValueMesh, load_value
 
+_seq_of = itemgetter(0)
 
-class Node:
-    __slots__ = ("seq", "uses", "defs", "site", "future", "value", "failure")
 
-    def __init__(self, seq, uses, defs, site, future) -> None:
-        self.seq = seq
-        self.uses = uses
-        self.defs = defs
-        self.site = site
-        self.future = future
-        self.value: Any = None  # a FetchResult, or {rank: FetchResult} for a gather
-        self.failure: RemoteException | None = None
+class Node(NamedTuple):
+    """A complete op that has a future, as :meth:`History.status` hands it to :meth:`History.resolve`."""
+    seq: int
+    uses: Any
+    defs: Any
+    site: Any
+    future: Future | None
+    failure: RemoteException | None
+    value: Any  # a FetchResult, or {rank: FetchResult} for a gather
 
 
 class History:
+    """Ops not yet complete are plain tuples ``(seq, uses, defs, site, future)`` in seq order (a list
+    read from ``_head``): an op's entry is made for every op the client issues, so it is the least a
+    node can be; the few that fail or carry a value keep those by seq beside it."""
+
+    compact_after = 1024  # complete entries dropped from the list's front once past this and past half
+
     def __init__(self, ranks: Iterable[int]) -> None:
-        self._order: deque[Node] = deque()
-        self._by_seq: dict[int, Node] = {}
+        self._order: list[tuple] = []
+        self._head = 0  # entries before it are complete (dropped in bulk)
+        self._failures: dict[int, RemoteException] = {}  # seq -> the failure it depends on, while pending
+        self._values: dict[int, Any] = {}  # seq -> FetchResult (or {rank: FetchResult}), while pending
         self._frontier = {r: 0 for r in ranks}
         self._failed_refs: dict[int, RemoteException] = {}
         self.unobserved: dict[int, RemoteException] = {}
@@ -42,23 +51,29 @@ class History:
         self._silent: dict[int, RemoteException] = {}
         self._last_seq = -1
 
-    def add(self, seq: int, uses, defs, site, future: Future | None = None) -> Node:
+    def add(self, seq: int, uses, defs, site, future: Future | None = None) -> None:
         if seq <= self._last_seq:  # also after the last node completed and was freed
             raise AssertionError(f"seq {seq} is not above the last seq {self._last_seq}")
         self._last_seq = seq
-        node = Node(seq, uses, defs, site, future)
         failed = self._failed_refs
         if failed:
             for u in uses:
                 exc = failed.get(u)
                 if exc is not None:
-                    node.failure = exc
+                    self._failures[seq] = exc
                     for d in defs:
                         failed[d] = exc
                     break
-        self._order.append(node)
-        self._by_seq[seq] = node
-        return node
+        self._order.append((seq, uses, defs, site, future))
+
+    def failure_of(self, seq: int) -> RemoteException | None:
+        """The failure op ``seq`` depends on (its own or an earlier one's), while it is not complete."""
+        return self._failures.get(seq)
+
+    def _index(self, seq: int) -> int | None:
+        order = self._order
+        i = bisect_left(order, seq, self._head, key=_seq_of)
+        return i if i < len(order) and order[i][0] == seq else None
 
     def forget_refs(self, refs: Iterable[int]) -> None:
         if self._failed_refs:
@@ -66,49 +81,62 @@ class History:
                 self._failed_refs.pop(r, None)
 
     def set_value(self, msg: m.FetchResult, rank: int | None = None) -> None:
-        node = self._by_seq.get(msg.seq)
-        if node is None:
+        i = self._index(msg.seq)
+        if i is None:
             return
-        if getattr(node.future, "gather", None) is not None:  # one value per rank (Remote.call)
-            if node.value is None:
-                node.value = {}
-            node.value[rank] = msg
+        future = self._order[i][4]
+        if getattr(future, "gather", None) is not None:  # one value per rank (Remote.call)
+            self._values.setdefault(msg.seq, {})[rank] = msg
         else:
-            node.value = msg
+            self._values[msg.seq] = msg
 
     def fail(self, msg: m.RemoteFunctionFailed, site_frames) -> None:
-        node = self._by_seq.get(msg.seq)
+        i = self._index(msg.seq)
+        entry = self._order[i] if i is not None else None
         exc = RemoteException(msg.seq, msg.rank, msg.exc_type, msg.message, msg.traceback,
-                              site_frames(node.site if node else None))
-        if node is not None and node.failure is not None and node.failure.seq <= msg.seq:
+                              site_frames(entry[3] if entry else None))
+        failures = self._failures
+        earlier = failures.get(msg.seq)
+        if entry is not None and earlier is not None and earlier.seq <= msg.seq:
             return  # another rank (or an earlier root) already failed this seq: report once
         self.unobserved.setdefault(msg.seq, exc)
-        if node is None:
+        if i is None:
             return
-        node.failure = exc
-        if not node.defs and node.future is None:
+        _, _, defs, _, future = self._order[i]
+        failures[msg.seq] = exc
+        if not defs and future is None:
             self._silent.setdefault(msg.seq, exc)
-        poisoned = set(node.defs)
-        for later in self._order:
-            if later.seq <= msg.seq:
-                continue
-            if later.failure is None and not poisoned.isdisjoint(later.uses):
-                later.failure = exc
-                poisoned.update(later.defs)
+        poisoned = set(defs)
+        for later_seq, uses, later_defs, _, _ in self._order[i + 1:]:
+            if later_seq not in failures and not poisoned.isdisjoint(uses):
+                failures[later_seq] = exc
+                poisoned.update(later_defs)
         for r in poisoned:
             self._failed_refs.setdefault(r, exc)
 
     def status(self, msg: m.Status) -> list[Node]:
-        """Advance ``msg.rank``; returns the nodes that are now complete, in seq order."""
+        """Advance ``msg.rank``; returns the nodes that are now complete and have a future, in seq order."""
         if msg.first_uncompleted > self._frontier.get(msg.rank, 0):
             self._frontier[msg.rank] = msg.first_uncompleted
         bound = min(self._frontier.values())
-        done = []
-        order = self._order
-        while order and order[0].seq < bound:
-            node = order.popleft()
-            del self._by_seq[node.seq]
-            done.append(node)
+        order, head = self._order, self._head
+        cut = bisect_left(order, bound, head, key=_seq_of)
+        if cut == head:
+            return []
+        failures, values = self._failures, self._values
+        done = [Node(seq, uses, defs, site, future, failures.get(seq), values.get(seq))
+                for seq, uses, defs, site, future in order[head:cut] if future is not None]
+        for pending in (failures, values):
+            if pending:
+                for seq in [s for s in pending if s < bound]:
+                    del pending[seq]
+        if cut == len(order):
+            order.clear()
+            cut = 0
+        elif cut > self.compact_after and cut * 2 > len(order):
+            del order[:cut]
+            cut = 0
+        self._head = cut
         return done
 
     def resolve(self, node: Node) -> None:
@@ -125,7 +153,7 @@ class History:
         elif node.value is None:
             fut._set_exception(ProtocolViolation(f"internal error: seq {node.seq} completed without a value"))
         elif isinstance(node.value, dict):
-            shape = fut.gather
+            shape: Any = fut.gather  # the mesh Shape of a gather
             missing = [r for r in shape.ranks() if r not in node.value or node.value[r].error is not None]
             if missing:
                 fut._set_exception(ProtocolViolation(f"internal error: seq {node.seq} has no value from ranks "
@@ -150,11 +178,11 @@ class History:
 
     def site_of(self, seq: int):
         """The call site recorded for ``seq`` while it is not complete, else None."""
-        node = self._by_seq.get(seq)
-        return node.site if node is not None else None
+        i = self._index(seq)
+        return self._order[i][3] if i is not None else None
 
     def pending_futures(self) -> list[Future]:
-        return [n.future for n in self._order if n.future is not None]
+        return [e[4] for e in self._order[self._head:] if e[4] is not None]
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) - self._head

@@ -15,16 +15,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import torch
+
 from ..errors import call_site
 from ..protocol.messages import CallOp, CallRecording
 from .propagation import SparseMeta, TensorMeta
-from .saved import workers_record
+from .saved import thread_hooks, workers_record
 from .stream import Stream, get_active_stream
 from .tensor import AliasSet, Tensor, new_proxy
 
+_grad_enabled = torch._C.is_grad_enabled
 _tuple_new = tuple.__new__  # a NamedTuple from its values without its Python-level __new__
 
-__all__ = ["New", "issue", "issue_op", "issue_call", "issue_message", "issue_unshaped", "adopt"]
+__all__ = ["New", "issue", "issue_op", "issue_lean", "issue_call", "issue_message", "issue_unshaped", "adopt"]
 
 
 class New(NamedTuple):
@@ -124,10 +127,30 @@ def issue_op(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> li
             defs.extend(mutated_refs)
         seq = client.new_seq()
         msg = _tuple_new(CallOp, (seq, op, tuple(results), mutated_refs, tuple(refs), stream.id))
-        # the site from here: issue_op <- _issue_plan <- dispatch (or _dispatch_remote) <- the mode's or Tensor's
-        # __torch_dispatch__ are tdmesh's frames on every path
+        # the site from here: issue_op <- _issue_plan <- dispatch (or _dispatch_remote, then dispatch) are
+        # tdmesh's frames on every path (dispatch is the mode's or Tensor's __torch_dispatch__)
         client.sink.submit(mesh.rank_list, msg, seq, refs, defs, None, remote, False, made, call_site(3))
     return proxies
+
+
+def issue_lean(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> Tensor:
+    """:func:`issue_op` for the commonest op (``plan.lean``: one new tensor, nothing written) issued to
+    the client itself, its inputs plainly placed (``placement.plainly_placed``): the eager hot path."""
+    client = mesh.client
+    if client.sink is not client:  # a compiled function's recorder keeps what it is given
+        return issue_op(mesh, plan, remote, device, stream)[0]
+    meta, slot = plan.lean
+    with client.lock:
+        grad = _grad_enabled() and thread_hooks.ours_on_top  # saved.workers_record, its sink known
+        op = (client.op_numbers if grad else client.op_numbers_no_grad).get(plan)
+        if op is None:
+            op = client.define_op(plan, grad)
+        ref = client.next_ref
+        client.next_ref = ref + 1
+        proxy = new_proxy(meta, device, mesh, ref, remote[slot]._r.aliases if slot >= 0 else AliasSet(), stream)
+        # the site from here: issue_lean <- dispatch (the mode's or Tensor's __torch_dispatch__)
+        client.queue_op(mesh.rank_list, op, ref, tuple([t._r.id for t in remote]), stream.id, call_site(2))
+    return proxy
 
 
 def issue_call(mesh, recording: int, inputs: Sequence[Tensor], outputs: Sequence[tuple], captures: Sequence[int],

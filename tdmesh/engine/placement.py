@@ -16,7 +16,7 @@ from ..errors import frames, site_text
 from .stream import Stream, get_active_stream
 from .tensor import Tensor, describe, raise_in_op
 
-__all__ = ["check_inputs", "check_mutation", "check_no_grad"]
+__all__ = ["check_inputs", "plainly_placed", "check_mutation", "check_no_grad"]
 
 
 def check_inputs(remote: Sequence[Tensor], mesh, what, stream: Stream | None = None) -> None:
@@ -39,6 +39,19 @@ def check_inputs(remote: Sequence[Tensor], mesh, what, stream: Stream | None = N
                                     f"(at {site_text(aliases.mutable_borrow.site)}); drop the borrow before using it")
         if aliases.borrow is not None and not aliases.borrow.first_use_sent:
             aliases.borrow.first_use()
+
+
+def plainly_placed(remote: Sequence[Tensor], mesh, stream: Stream) -> bool:
+    """True where :func:`check_inputs` has nothing to say or do: every input on ``mesh`` and ``stream``,
+    not dropped, not borrowed (the eager hot path's one pass; any other case gets the full check)."""
+    for t in remote:
+        if t._mesh is not mesh or t._stream is not stream:
+            return False
+        r = t._r
+        aliases = r.aliases
+        if r.dropped_at is not None or aliases.mutable_borrow is not None or aliases.borrow is not None:
+            return False
+    return True
 
 
 def check_mutation(t: Tensor, what) -> None:

@@ -35,7 +35,7 @@ MAX_PLANS = 100_000   # past this, ops are sent whole (CallFunction): a loop of 
 class OpPlan:
     """One (op, argument metadata) pair, ready to issue; hashed by identity (clients number it)."""
     __slots__ = ("func", "path", "args", "kwargs", "outputs", "mutated", "single", "spec", "restrides", "reusable",
-                 "device_type")
+                 "device_type", "lean")
 
     def __init__(self, func, path: str, args: tuple, kwargs: dict, outputs: tuple, mutated: tuple, single: bool,
                  spec: Any, restrides: tuple, reusable: bool) -> None:
@@ -50,6 +50,10 @@ class OpPlan:
         self.restrides = restrides  # in-place view ops: (slot, new metadata) of each tensor whose shape changes
         self.reusable = reusable    # it can be kept and sent as a CallOp (every tensor a slot, no restride)
         self.device_type = ""       # the device its outputs' metadata is for (strides may differ by device)
+        # the commonest op, one new tensor and nothing written: (its metadata, the slot it views or -1),
+        # issued by issue.issue_lean; else None
+        self.lean = (outputs[0][1], outputs[0][2]) if single and len(outputs) == 1 and outputs[0][0] == NEW and \
+            not mutated and reusable else None
 
 
 def slot_spans(func, args: tuple, kwargs: dict) -> dict[int, range]:

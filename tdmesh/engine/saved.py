@@ -114,7 +114,7 @@ def workers_record(client) -> bool:
     and not while a compiled function traces (its recording replays with no autograd there).
     Once per op: the hooks' order is kept here as torch's push and pop change it (asking torch,
     ``_top_saved_tensors_default_hooks``, cost 6% of an add's client time)."""
-    return _grad_enabled() and _hooks.ours_on_top and client.sink is client
+    return _grad_enabled() and thread_hooks.ours_on_top and client.sink is client
 
 
 class _Hooks(threading.local):
@@ -123,7 +123,7 @@ class _Hooks(threading.local):
         self.ours_on_top = False
 
 
-_hooks = _Hooks()
+thread_hooks = _Hooks()
 on_hooks_change: list = []  # called after each push or pop (autograd_context notes the sequence number)
 _push = torch._C._autograd._push_saved_tensors_default_hooks
 _pop = torch._C._autograd._pop_saved_tensors_default_hooks
@@ -132,24 +132,24 @@ _pop = torch._C._autograd._pop_saved_tensors_default_hooks
 def ours_on_top() -> bool:
     """Whether tdmesh's saved-tensor hooks take what nodes save now (not the user's, ``checkpoint`` say,
     nor none: outside an activation, or with ``TDMESH_BACKWARD=client`` when it began)."""
-    return _hooks.ours_on_top
+    return thread_hooks.ours_on_top
 
 
 def _pushed(pack_hook, unpack_hook) -> None:
     """torch's push of saved-tensor hooks (``saved_tensors_hooks``, ``checkpoint``), followed here."""
     _push(pack_hook, unpack_hook)
-    _hooks.foreign.append(pack_hook is not pack)
-    _hooks.ours_on_top = pack_hook is pack
+    thread_hooks.foreign.append(pack_hook is not pack)
+    thread_hooks.ours_on_top = pack_hook is pack
     for hook in on_hooks_change:
         hook()
 
 
 def _popped() -> None:
     _pop()
-    foreign = _hooks.foreign
+    foreign = thread_hooks.foreign
     if foreign:
         foreign.pop()
-    _hooks.ours_on_top = bool(foreign) and not foreign[-1]
+    thread_hooks.ours_on_top = bool(foreign) and not foreign[-1]
     for hook in on_hooks_change:
         hook()
 
@@ -176,7 +176,7 @@ def pop_hooks() -> None:
 
 def set_aside() -> bool:
     """Take tdmesh's hooks off the top for a while (``no_mesh``); False where they are not on top."""
-    if not _hooks.ours_on_top:
+    if not thread_hooks.ours_on_top:
         return False
     _popped()
     return True

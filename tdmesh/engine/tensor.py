@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -20,7 +19,7 @@ from ..errors import PlacementError, UsageError, call_site, user_line
 from .propagation import SparseMeta, TensorMeta, meta_tensor
 from .stream import Stream
 
-__all__ = ["Tensor", "RefOwner", "AliasSet", "new_proxy", "describe", "raise_in_op"]
+__all__ = ["Tensor", "RefOwner", "AliasSet", "new_proxy", "describe", "raise_in_op", "operators_pass_through"]
 
 
 class RefOwner:
@@ -69,7 +68,6 @@ class Tensor(torch.Tensor):
     _device: torch.device  # sparse proxies only
     _mesh: Any
     _stream: Stream
-    dispatch: Callable  # set by tdmesh.engine.dispatch: (func, args, kwargs) -> the op's result proxies
 
     @staticmethod
     def __new__(cls, meta: TensorMeta | SparseMeta, device, mesh, ref_id: int, aliases: AliasSet, stream: Stream):
@@ -90,8 +88,8 @@ class Tensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return cls.dispatch(func, args, kwargs or {})
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # replaced by tdmesh.engine.dispatch.dispatch
+        raise NotImplementedError("tdmesh.engine.dispatch is not imported")
 
     @property
     def mesh(self):
@@ -191,12 +189,39 @@ def raise_in_op(code: str, message: str) -> NoReturn:
     raise error
 
 
+# The mesh's torch-function mode (activation.MeshFunctions, registered there: it sits above this
+# module) passes every operator through unchanged: an operator is no special function, no factory and
+# has no keywords.  So where it is the innermost torch-function mode, an operator on a proxy runs with
+# it popped: the same call torch would make from inside the mode, without the round trip through it
+# (torch pops the mode, calls its Python and pushes it back: 2.7 us of the add loop's ~18 on this VM).
+# As a DeviceContext it is at the bottom of the stack: with any mode of the user's on, that one is the
+# innermost and sees the operator as before; so does any tensor subclass's own __torch_function__.
+_passes_operators: list[type] = []
+_stack_length, _stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
+_pop_functions_mode, _push_functions_mode = torch._C._pop_torch_function_stack, torch._C._push_on_torch_function_stack
+
+
+def operators_pass_through(mode_type: type) -> None:
+    """Operators on proxies skip ``mode_type``, a torch-function mode that passes them through, where
+    it is the innermost mode."""
+    _passes_operators[:] = [mode_type]
+
+
 def _binary(name: str):
     base = getattr(torch.Tensor, name)
+    passes = _passes_operators
 
     def operator(self, other):
         _last_error.value = None
-        out = base(self, other)
+        depth = _stack_length()
+        if depth and type(mode := _stack_at(depth - 1)) is passes[0]:
+            _pop_functions_mode()
+            try:
+                out = base(self, other)
+            finally:
+                _push_functions_mode(mode)
+        else:
+            out = base(self, other)
         if out is NotImplemented:
             error, _last_error.value = getattr(_last_error, "value", None), None
             if error is not None:

@@ -73,7 +73,7 @@ def test_an_idle_clients_flusher_sleeps_until_something_is_queued(mesh1):
         while frame is not None:
             names.append(frame.f_code.co_name)
             frame = frame.f_back
-        return client._flusher_idle and names[:2] == ["wait", "wait"] and "_flush_loop" in names
+        return client._flusher_idle and names[:2] == ["wait", "wait"] and "flush_loop" in names
 
     with mesh1.activate():
         x = torch.zeros(3)

@@ -12,21 +12,26 @@ from tdmesh.protocol import messages as m
 
 
 class Sent:
-    """Every message the client queues while the block runs (the client's own submit and
-    send_setup, wrapped)."""
+    """Every message the client queues while the block runs (the client's own submit, send_setup
+    and queue_op, the hot path's submit of one CallOp, wrapped)."""
 
     def __init__(self, client) -> None:
         self.client = client
         self.messages: list = []
 
     def __enter__(self):
-        submit, setup = self.client.submit, self.client.send_setup
+        submit, setup, queue_op = self.client.submit, self.client.send_setup, self.client.queue_op
         self.client.submit = lambda ranks, msg, *a, **k: (self.messages.append(msg), submit(ranks, msg, *a, **k))[1]
         self.client.send_setup = lambda msg, *a, **k: (self.messages.append(msg), setup(msg, *a, **k))[1]
+
+        def queued(ranks, op, result, refs, stream, site):
+            queue_op(ranks, op, result, refs, stream, site)
+            self.messages.append(m.CallOp(self.client.last_seq, op, (result,), (), refs, stream))
+        self.client.queue_op = queued
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.client.submit, self.client.send_setup
+        del self.client.submit, self.client.send_setup, self.client.queue_op
 
     def of(self, kind) -> list:
         return [msg for msg in self.messages if type(msg) is kind]

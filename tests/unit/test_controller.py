@@ -9,6 +9,8 @@ import traceback
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tdmesh.engine.future import Future
 from tdmesh.engine.history import History
@@ -51,8 +53,8 @@ def complete(h: History, first_uncompleted: int, ranks) -> list:
     return done
 
 
-def failed_seqs(nodes) -> set:
-    return {n.seq for n in nodes if n.failure is not None}
+def failed_seqs(h: History, seqs) -> set:
+    return {s for s in seqs if h.failure_of(s) is not None}
 
 
 def site(seq):
@@ -61,49 +63,48 @@ def site(seq):
 
 
 # ----------------------------------------------------------------- propagation (§5.H 86)
-def diamond(h: History):
+def diamond(h: History) -> list[int]:
     """0 defines r10; 1 reads r10 (defines r11); 2 reads r11; 3 reads r10; 4 reads r12 and r13."""
-    return [
-        h.add(0, (), (10,), site(0)),
-        h.add(1, (10,), (11,), site(1)),
-        h.add(2, (11,), (12,), site(2)),
-        h.add(3, (10,), (13,), site(3)),
-        h.add(4, (12, 13), (14,), site(4)),
-    ]
+    h.add(0, (), (10,), site(0))
+    h.add(1, (10,), (11,), site(1))
+    h.add(2, (11,), (12,), site(2))
+    h.add(3, (10,), (13,), site(3))
+    h.add(4, (12, 13), (14,), site(4))
+    return [0, 1, 2, 3, 4]
 
 
 def test_failure_marks_transitive_users_and_leaves_independent_seqs_clean():
     h = History([0])
-    nodes = diamond(h)
+    seqs = diamond(h)
     h.fail(failed(1), frames)
-    assert failed_seqs(nodes) == {1, 2, 4}
-    assert {n.seq for n in nodes if n.failure is None} == {0, 3}
-    root = nodes[1].failure
+    assert failed_seqs(h, seqs) == {1, 2, 4}
+    assert {s for s in seqs if h.failure_of(s) is None} == {0, 3}
+    root = h.failure_of(1)
     assert isinstance(root, RemoteException) and root.seq == 1
-    assert nodes[2].failure is root and nodes[4].failure is root
+    assert h.failure_of(2) is root and h.failure_of(4) is root
     assert h.unobserved == {1: root}
 
 
 def test_failure_propagates_to_users_issued_after_it_was_reported():
     h = History([0])
-    nodes = diamond(h)
+    diamond(h)
     h.fail(failed(1), frames)
-    late = h.add(5, (12,), (15,), site(5))       # reads what failed seq 2 defined
-    later = h.add(6, (15,), (16,), site(6))      # and, transitively, what 5 defined
-    clean = h.add(7, (13,), (17,), site(7))
-    assert late.failure is nodes[1].failure
-    assert later.failure is nodes[1].failure
-    assert clean.failure is None
+    h.add(5, (12,), (15,), site(5))       # reads what failed seq 2 defined
+    h.add(6, (15,), (16,), site(6))       # and, transitively, what 5 defined
+    h.add(7, (13,), (17,), site(7))
+    assert h.failure_of(5) is h.failure_of(1)
+    assert h.failure_of(6) is h.failure_of(1)
+    assert h.failure_of(7) is None
 
 
 def test_failure_of_a_mutation_poisons_later_readers_of_the_mutated_ref():
     h = History([0])
-    a = h.add(0, (), (10,), site(0))
-    mut = h.add(1, (10,), (10,), site(1))          # x.add_(1): mutates are defs
-    reader = h.add(2, (10,), (11,), site(2))
+    h.add(0, (), (10,), site(0))
+    h.add(1, (10,), (10,), site(1))          # x.add_(1): mutates are defs
+    h.add(2, (10,), (11,), site(2))
     h.fail(failed(1), frames)
-    assert a.failure is None
-    assert mut.failure.seq == 1 and reader.failure.seq == 1
+    assert h.failure_of(0) is None
+    assert h.failure_of(1).seq == 1 and h.failure_of(2).seq == 1
 
 
 # ----------------------------------------------------------------- report once (§5.H 85)
@@ -112,18 +113,13 @@ def test_chain_with_two_failures_completes_as_four_errors_and_one_success(second
     ranks = [0, 1]
     h = History(ranks)
     futures = [fut() for _ in range(5)]
-    nodes = [
-        h.add(0, (), (10,), site(0), futures[0]),
-        h.add(1, (10,), (11,), site(1), futures[1]),
-        h.add(2, (11,), (12,), site(2), futures[2]),
-        h.add(3, (12,), (13,), site(3), futures[3]),
-        h.add(4, (), (14,), site(4), futures[4]),
-    ]
+    for s, (uses, defs) in enumerate([((), (10,)), ((10,), (11,)), ((11,), (12,)), ((12,), (13,)), ((), (14,))]):
+        h.add(s, uses, defs, site(s), futures[s])
     h.fail(failed(0, rank=0), frames)
-    root = nodes[0].failure
-    assert failed_seqs(nodes) == {0, 1, 2, 3}
+    root = h.failure_of(0)
+    assert failed_seqs(h, range(5)) == {0, 1, 2, 3}
     h.fail(failed(3, rank=second_rank, message="second"), frames)   # already poisoned by 0
-    assert nodes[3].failure is root and nodes[3].failure.seq == 0   # the root is not replaced
+    assert h.failure_of(3) is root and root.seq == 0                 # the root is not replaced
     assert set(h.unobserved) == {0}                                  # reported once
     h.set_value(value(4, 42))
     for s in range(4):
@@ -156,11 +152,11 @@ def test_chain_failures_reported_latest_first_still_reach_every_future():
 
 def test_same_seq_failing_on_two_ranks_is_reported_once():
     h = History([0, 1])
-    n = h.add(0, (), (10,), site(0))
+    h.add(0, (), (10,), site(0))
     h.fail(failed(0, rank=1, message="first"), frames)
-    first = n.failure
+    first = h.failure_of(0)
     h.fail(failed(0, rank=0, message="second"), frames)
-    assert n.failure is first and first.rank == 1 and first.message == "first"
+    assert h.failure_of(0) is first and first.rank == 1 and first.message == "first"
     assert h.unobserved == {0: first}
 
 
@@ -181,26 +177,30 @@ def test_refs_defined_by_failed_seqs_stay_failed_until_forgotten():
     h = History([0])
     diamond(h)
     h.fail(failed(1), frames)
-    root_exc = h._by_seq[1].failure
+    root_exc = h.failure_of(1)
     complete(h, 5, [0])
     assert len(h) == 0
 
     f = fut()
-    user = h.add(5, (11,), (15,), site(5), f)   # r11 was defined by failed seq 1
-    assert user.failure is root_exc             # fails at once, before any worker answers
-    dependent = h.add(6, (15,), (), site(6))
-    assert dependent.failure is root_exc
-    assert h.add(7, (13,), (), site(7)).failure is None   # r13 came from clean seq 3
+    h.add(5, (11,), (15,), site(5), f)   # r11 was defined by failed seq 1
+    assert h.failure_of(5) is root_exc    # fails at once, before any worker answers
+    h.add(6, (15,), (), site(6))
+    assert h.failure_of(6) is root_exc
+    h.add(7, (13,), (), site(7))
+    assert h.failure_of(7) is None        # r13 came from clean seq 3
 
     complete(h, 8, [0])
     assert f.exception() is root_exc
     assert h.unobserved == {}   # a future received the root error
 
     h.forget_refs([11])
-    assert h.add(8, (11,), (), site(8)).failure is None
-    assert h.add(9, (15,), (), site(9)).failure is root_exc   # r15 was not forgotten
+    h.add(8, (11,), (), site(8))
+    assert h.failure_of(8) is None
+    h.add(9, (15,), (), site(9))
+    assert h.failure_of(9) is root_exc   # r15 was not forgotten
     h.forget_refs([15, 12, 14, 999])
-    assert h.add(10, (15, 12, 14), (), site(10)).failure is None
+    h.add(10, (15, 12, 14), (), site(10))
+    assert h.failure_of(10) is None
 
 
 # ----------------------------------------------------------------- completion
@@ -245,7 +245,7 @@ def test_nodes_are_freed_after_completion():
     complete(h, 2, [0, 1])
     assert len(h) == 2
     assert h.pending_futures() == fs[2:]
-    assert 0 not in h._by_seq and 1 not in h._by_seq
+    assert h.site_of(0) is None and h.site_of(1) is None and h.site_of(2) == site(2)
     assert fs[0].result() == "a"
     assert isinstance(fs[1].exception(), RuntimeError)   # seq 1 completed without a value
     assert "completed without a value" in str(fs[1].exception())
@@ -396,3 +396,79 @@ def test_remote_exception_renders_explicit_frame_summaries():
     assert 'File "/u/a.py", line 3, in f' in text and 'File "/u/b.py", line 9, in g' in text
     assert "Traceback on worker rank 2:" in text
     assert text.endswith("KeyError: 'missing'")
+
+
+# ----------------------------------------------------------------- against a plain model
+class Model:
+    """What History does, without its index: a list of every op, failures marked in place."""
+
+    def __init__(self, ranks):
+        self.ops: list[dict] = []
+        self.frontier = dict.fromkeys(ranks, 0)
+        self.failed_refs: dict = {}
+
+    def pending(self) -> list[dict]:
+        bound = min(self.frontier.values())
+        return [op for op in self.ops if op["seq"] >= bound]
+
+    def add(self, seq, uses, defs):
+        failure = next((self.failed_refs[u] for u in uses if u in self.failed_refs), None)
+        if failure is not None:
+            self.failed_refs.update(dict.fromkeys(defs, failure))
+        self.ops.append({"seq": seq, "uses": uses, "defs": defs, "failure": failure})
+
+    def fail(self, seq, exc_seq):
+        pending = self.pending()
+        op = next((op for op in pending if op["seq"] == seq), None)
+        if op is None or (op["failure"] is not None and op["failure"] <= exc_seq):
+            return
+        op["failure"] = exc_seq
+        poisoned = set(op["defs"])
+        for later in pending:
+            if later["seq"] > seq and later["failure"] is None and poisoned & set(later["uses"]):
+                later["failure"] = exc_seq
+                poisoned |= set(later["defs"])
+        for r in poisoned:
+            self.failed_refs.setdefault(r, exc_seq)
+
+
+_ADD = st.tuples(st.just("add"), st.integers(1, 2), st.lists(st.integers(0, 3), max_size=2),
+                st.lists(st.integers(0, 3), max_size=2), st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(_ADD, _ADD, _ADD, st.tuples(st.just("status"), st.integers(0, 1), st.integers(0, 3)),
+                          st.tuples(st.just("fail"), st.integers(0, 4))), max_size=80))
+def test_history_agrees_with_a_plain_model_through_completion_and_compaction(program):
+    """Seqs with gaps, two ranks completing at their own pace, failures of pending, complete and
+    unknown seqs: every pending op's site, failure and future, and the count, agree with a plain list,
+    while History drops complete entries in bulk (compacting after 2 here, as after 1,024 in use)."""
+    h, model, futures, seq = History([0, 1]), Model([0, 1]), {}, -1
+    h.compact_after = 2
+    for step in program:
+        if step[0] == "add":
+            _, gap, uses, defs, with_future = step
+            seq += gap
+            futures[seq] = fut() if with_future else None
+            h.add(seq, tuple(uses), tuple(defs), site(seq), futures[seq])
+            model.add(seq, tuple(uses), tuple(defs))
+        elif step[0] == "status":
+            _, rank, ahead = step
+            first_uncompleted = min(min(model.frontier.values()) + ahead, seq + 1)  # no rank runs ahead of the client
+            for node in h.status(m.Status(rank, first_uncompleted)):
+                assert node.future is futures[node.seq] and node.future is not None
+                h.resolve(node)
+            model.frontier[rank] = max(model.frontier[rank], first_uncompleted)
+        else:
+            target = max(seq - step[1], 0)
+            h.fail(failed(target), frames)
+            model.fail(target, target)
+        pending = model.pending()
+        assert len(h) == len(pending)
+        assert h.pending_futures() == [futures[op["seq"]] for op in pending if futures[op["seq"]] is not None]
+        for op in pending:
+            got = h.failure_of(op["seq"])
+            assert h.site_of(op["seq"]) == site(op["seq"])
+            assert (got.seq if got is not None else None) == op["failure"], (op, got)
+        assert all(h.site_of(op["seq"]) is None and h.failure_of(op["seq"]) is None  # nothing kept of it
+                   for op in model.ops if op not in pending)

@@ -1,0 +1,122 @@
+"""The eager hot path (issue 29): an op seen before is issued by its plan in one pass
+(``issue.issue_lean``), and an operator on proxies skips the mesh's torch-function mode where that
+mode is the innermost.  What the shortcuts must keep: the user's line on every path, every user
+mode and subclass that would have seen the call, the placement checks, and the values."""
+
+import inspect as pyinspect
+import os
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import tdmesh
+from tdmesh import inspect
+from tdmesh.engine.activation import MeshFunctions
+
+HERE = os.path.basename(__file__)
+
+
+def this_line() -> int:
+    return pyinspect.currentframe().f_back.f_lineno
+
+
+def function_modes() -> list:
+    return [type(m) for m in torch.overrides._get_current_function_mode_stack()]
+
+
+class Seen(TorchFunctionMode):
+    """A user's torch-function mode: notes every call it sees, and passes it on."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_path_of_an_op_records_the_users_line(mesh1):
+    """The same ops the first time (propagated, then issued by their new plan) and the second (the
+    lean path), as an operator, a function, a method, and on a proxy outside any activation
+    (``Tensor.__torch_dispatch__``): each op's recorded site is this file's line that issued it."""
+    from _sites import recorded_sites
+    lines: list[int] = []
+    with mesh1.activate():
+        x, y = torch.ones(3, 5), torch.full((3, 5), 2.0)
+    with recorded_sites(mesh1.client) as sites:
+        for _ in range(2):
+            with mesh1.activate():
+                lines.append(this_line()); a = x * y  # noqa: E702
+                lines.append(this_line()); b = torch.sub(a, x)  # noqa: E702
+                lines.append(this_line()); c = b.div(y)  # noqa: E702
+                lines.append(this_line()); d = c.T  # noqa: E702
+            lines.append(this_line()); e = d + 1  # noqa: E702  (no mesh active: the proxy's own dispatch)
+    assert len(sites) == len(lines) == 10
+    assert all(HERE in s and f"line {line}" in s for s, line in zip(sites, lines)), sites
+    assert torch.equal(inspect(e), torch.full((5, 3), 1.5))
+
+
+def test_a_users_torch_function_mode_entered_inside_or_outside_the_activation_sees_every_operator(mesh1):
+    """Operators skip the mesh's mode only, and only where it is the innermost; a user's mode entered
+    inside the activation or before it (the mesh's mode, a DeviceContext, goes to the bottom of the
+    stack either way) sees each operator as it sees local torch's, and the mode stack is as it was
+    after every op, one that raised included."""
+    local = torch.ones(4)
+    with Seen() as plain:  # what such a mode sees of the same operators on local tensors
+        2 * (local + local)
+        local - 1
+        local + local
+    with mesh1.activate():
+        x = torch.ones(4)
+        with Seen() as inside:
+            y = x + x
+            z = 2 * y
+        assert inside.names == plain.names[:2] and function_modes() == [MeshFunctions]
+    with Seen() as outside:
+        with mesh1.activate():
+            w = x - 1
+            assert function_modes() == [MeshFunctions, Seen]
+            with pytest.raises(TypeError, match="LOCAL_TENSOR"):
+                x + local
+            assert function_modes() == [MeshFunctions, Seen]
+    assert plain.names[2] in outside.names and plain.names[3] in outside.names and len(plain.names) == 4
+    assert torch.equal(inspect(z), torch.full((4,), 4.0)) and torch.equal(inspect(w), torch.zeros(4))
+
+
+def test_an_operator_with_an_object_torch_cannot_take_falls_back_to_the_objects_reflected_method(mesh1):
+    class Units:
+        def __radd__(self, other):
+            return ("units", other.shape)
+
+        def __rmul__(self, other):
+            raise TypeError("Units refuses")
+
+    with mesh1.activate():
+        x = torch.ones(2, 3)
+        assert x + Units() == ("units", torch.Size([2, 3]))
+        with pytest.raises(TypeError, match="Units refuses"):
+            x * Units()
+        assert function_modes() == [MeshFunctions]
+
+
+def test_inputs_that_are_not_plainly_placed_get_the_full_checks_on_a_planned_op(mesh1):
+    """Once an op has a plan, a dropped input, one borrowed mutably elsewhere or one on another stream is
+    refused with the placement rule's error (the lean path hands every such case to the full check)."""
+    other = tdmesh.Stream("other")
+    with mesh1.activate():
+        x, y = torch.ones(3), torch.ones(3)
+        x + y  # the plan
+        gone = torch.ones(3)
+        gone.drop()
+        with pytest.raises(TypeError, match="DROPPED"):
+            gone + y
+        _, borrow = other.borrow(x, mutable=True)
+        with pytest.raises(TypeError, match="BORROWED"):
+            x + y
+        borrow.drop()
+        with other.activate():
+            with pytest.raises(TypeError, match="WRONG_STREAM"):
+                x + y
+        assert torch.equal(inspect(x + y), torch.full((3,), 2.0))
