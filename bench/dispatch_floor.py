@@ -338,7 +338,7 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
             plan = PLANS.get(key)
             if plan is None:
                 unplanned.append(func)
-                return func(*args, **kwargs) if not remote else dispatch_module.dispatch(func, args, kwargs)
+                return func(*args, **kwargs) if not remote else dispatch_module.dispatch(None, func, (), args, kwargs)
             order.append(plan)
             return proxies(plan, remote)
         return by_key
@@ -362,9 +362,10 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
         return proxies(plan, remote)
 
     def handled_by(fn):
-        dispatch_module._MeshMode.__torch_dispatch__ = (  # type: ignore[method-assign]
-            lambda self, func, types, args=(), kwargs=None: fn(func, args, kwargs or {}))
-        Tensor.dispatch = staticmethod(fn)  # type: ignore[assignment]
+        def torch_dispatch(_caller, func, types, args=(), kwargs=None):
+            return fn(func, args, kwargs or {})
+        dispatch_module._MeshMode.__torch_dispatch__ = torch_dispatch  # type: ignore[method-assign]
+        Tensor.__torch_dispatch__ = classmethod(torch_dispatch)  # type: ignore[assignment,method-assign]
 
     def ordered():
         nonlocal given
@@ -392,7 +393,7 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
 
         def leave():
             dispatch_module._MeshMode.__torch_dispatch__ = handler  # type: ignore[method-assign]
-            Tensor.dispatch = tensor_handler  # type: ignore[assignment]
+            Tensor.__torch_dispatch__ = tensor_handler  # type: ignore[method-assign]
             tdmesh.reduce_ = reduce_
         return enter, leave, timed
 
@@ -410,7 +411,7 @@ def _step_rows(mesh, size: str, batch: int, bf16: bool, n: int, repeats: int):
         return enter, leave
 
     reduce_ = tdmesh.reduce_
-    handler, tensor_handler = dispatch_module._MeshMode.__torch_dispatch__, Tensor.dispatch
+    handler, tensor_handler = dispatch_module._MeshMode.__torch_dispatch__, Tensor.__dict__["__torch_dispatch__"]
     variants = {"tdmesh": as_tdmesh(True), "tdmesh, no site": as_tdmesh(False),
                 "plan proxies": as_floor(by_key, run), "given proxies": as_floor(by_order, ordered),
                 NO_BACKWARD: (lambda: None, lambda: None, without_backward),
