@@ -35,7 +35,8 @@ if __package__ in (None, ""):
 from bench.helpers import train_optimizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GROUPS = (("call site", ("errors.py",)), ("send", ("client.py", "history.py", "transport.py")),
+GROUPS = (("call site", ("errors.py",)),
+          ("send", ("client.py", "history.py", "transport.py", "outbox.py", "flusher.py")),
           ("issue", ("issue.py", "tensor.py")),
           ("dispatch", ("dispatch.py", "plan.py", "placement.py", "propagation.py", "activation.py", "stream.py",
                         "_context.py", "_coalescing.py", "mesh.py", "wire.py")))
