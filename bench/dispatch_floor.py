@@ -22,7 +22,9 @@ workers' execution is waited for outside the timer):
   tdmesh, no site  the same with the user's call site not captured (``errors.call_site``
                    answering at once): what capturing it costs
 
-The last two rows' difference from ``new wrapper`` is tdmesh's own work per op.
+The last two rows' difference from ``new wrapper`` is tdmesh's own work per op.  The handler rows
+reach their handler through torch's dispatcher; tdmesh's own rows issue a learnt operator without it
+(``tdmesh/engine/operators.py``), so part of torch's cost in the floor rows is not in them.
 
 A second table does the same for bench.train_step's eager step (``--size``, tiny by default;
 ``--dtype``, ``--batch-size``): forward, ``zero_grad``, backward, one bucketed ``reduce_``, the
@@ -184,6 +186,7 @@ def _add_rows(mesh, n: int, repeats: int) -> dict:
 
     import tdmesh
     import tdmesh.engine.dispatch as dispatch_module
+    import tdmesh.engine.tensor as tensor_module
     import tdmesh.errors as errors
     from tdmesh.engine.tensor import AliasSet, Tensor, new_proxy
 
@@ -223,6 +226,7 @@ def _add_rows(mesh, n: int, repeats: int) -> dict:
         "least sent + site": lambda self, func, types, args=(), kwargs=None: least(self, func, types, args, kwargs,
                                                                                  site=True)}
     mode, handler = dispatch_module._MeshMode, dispatch_module._MeshMode.__torch_dispatch__
+    operator_calls, operator_call = tensor_module._operator_call, tensor_module._operator_call[0]
     activation: list = []
 
     def on_mesh(name: str):
@@ -230,10 +234,13 @@ def _add_rows(mesh, n: int, repeats: int) -> dict:
             activation.append(mesh.activate())
             if name in handlers:
                 mode.__torch_dispatch__ = handlers[name]  # type: ignore[method-assign]
+                # the floor handlers are the mode's: operators reach them through torch's dispatcher
+                operator_calls[0] = lambda name, base, self, other: base(self, other)
             elif name == "tdmesh, no site":
                 _capture_call_sites(False)
 
         def leave():
+            operator_calls[0] = operator_call
             mode.__torch_dispatch__ = handler  # type: ignore[method-assign]
             _capture_call_sites(True)
             sent.clear()

@@ -24,6 +24,7 @@ from ..protocol.codec import pack_tensor
 from .context import active_mesh_or_none
 from .host_reads import read_name, read_on_host
 from .issue import New, issue, issue_lean, issue_op
+from .operators import learners, note_lean, use_mode
 from .placement import check_inputs, check_mutation, plainly_placed
 from .plan import MAX_PLANS, PLANS, OpPlan, make_plan, outputs_of
 from .propagation import TensorMeta, meta_tensor, op_aliasing, propagate, tensor_meta
@@ -119,6 +120,8 @@ def dispatch(_caller, func, _types, args: tuple = (), kwargs: dict | None = None
                 if plan.device_type is client.device_type or plan.device_type == device.type:
                     stream = get_active_stream()
                     if plan.lean is not None and plainly_placed(remote, mesh, stream):
+                        if learners[0]:  # an operator call learns which plan it dispatches
+                            note_lean(plan, remote)
                         return issue_lean(mesh, plan, remote, device, stream)
                     check_inputs(remote, mesh, func, stream)
                     return _issue_plan(plan, remote, mesh, device, stream)
@@ -349,4 +352,5 @@ class _MeshMode(TorchDispatchMode):
 # op); tdmesh is never traced by dynamo, so the hot path is the plain function.
 _MeshMode.__torch_dispatch__ = dispatch  # type: ignore[method-assign]
 MESH_MODE = _MeshMode()
+use_mode(MESH_MODE)
 Tensor.__torch_dispatch__ = classmethod(dispatch)  # type: ignore[assignment,method-assign]

@@ -223,15 +223,20 @@ _stack_length, _stack_at = torch._C._len_torch_function_stack, torch._C._get_fun
 _pop_functions_mode, _push_functions_mode = torch._C._pop_torch_function_stack, torch._C._push_on_torch_function_stack
 
 
-def operators_pass_through(mode_type: type) -> None:
+_operator_call: list = [None]  # dispatch.operator_call: an operator with the mesh's mode popped
+
+
+def operators_pass_through(mode_type: type, call) -> None:
     """Operators on proxies skip ``mode_type``, a torch-function mode that passes them through, where
-    it is the innermost mode."""
+    it is the innermost mode; ``call(name, base, self, other)`` runs them then."""
     _passes_operators[:] = [mode_type]
+    _operator_call[0] = call
 
 
 def _binary(name: str):
     base = getattr(torch.Tensor, name)
     passes = _passes_operators
+    calls = _operator_call
 
     def operator(self, other):
         _last_error.value = None
@@ -239,7 +244,7 @@ def _binary(name: str):
         if depth and type(mode := _stack_at(depth - 1)) is passes[0]:
             _pop_functions_mode()
             try:
-                out = base(self, other)
+                out = calls[0](name, base, self, other)
             finally:
                 _push_functions_mode(mode)
         else:

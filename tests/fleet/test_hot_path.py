@@ -120,3 +120,80 @@ def test_inputs_that_are_not_plainly_placed_get_the_full_checks_on_a_planned_op(
             with pytest.raises(TypeError, match="WRONG_STREAM"):
                 x + y
         assert torch.equal(inspect(x + y), torch.full((3,), 2.0))
+
+
+# ----------------------------------------------------------------------------- operators without the dispatcher
+def counting_dispatch():
+    """Counts the calls that reach the mesh's dispatch mode (torch's dispatcher handing it an op)."""
+    from tdmesh.engine import dispatch as dispatch_module
+    mode, handler = dispatch_module._MeshMode, dispatch_module._MeshMode.__torch_dispatch__
+    calls: list = []
+
+    class Counting:
+        def __enter__(self):
+            def counted(*a, **k):
+                calls.append(a[1])
+                return handler(*a, **k)
+            mode.__torch_dispatch__ = counted
+            return calls
+
+        def __exit__(self, *exc):
+            mode.__torch_dispatch__ = handler
+    return Counting()
+
+
+def test_a_learnt_operator_is_issued_without_torchs_dispatcher_and_gives_the_same_values(mesh1):
+    with mesh1.activate():
+        a, b = torch.arange(6.0).reshape(2, 3), torch.full((2, 3), 2.0)
+        for _ in range(2):  # planned at the first call; learnt at the second (one lean op dispatched each)
+            first = [a * b, a - 1, 3 * a, a > 2]
+        with counting_dispatch() as reached:
+            again = [a * b, a - 1, 3 * a, a > 2]
+            other_value = a - 2          # another scalar: another key, through the dispatcher
+        assert reached == [torch.ops.aten.sub.Tensor], reached
+        for x, y in zip(first, again):
+            assert torch.equal(inspect(x), inspect(y))
+        assert torch.equal(inspect(other_value), torch.arange(6.0).reshape(2, 3) - 2)
+
+
+def test_a_learnt_operator_goes_through_torch_where_autograd_autocast_or_a_mode_must_see_it(mesh1):
+    """The same operator and operand metadata, learnt on plain tensors, then: an input that requires grad
+    (autograd records it), autocast (it casts), a user's dispatch mode (it sees the aten op), the
+    profiler (it records the op), inference mode: each as local torch does it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    device_type = mesh1.device_type
+    local = torch.ones(4, 4)
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        cast_dtype = (local.to(device_type) @ local.to(device_type)).dtype if device_type == "cuda" else \
+            (local @ local).dtype
+    with mesh1.activate():
+        a, b = torch.ones(4, 4), torch.full((4, 4), 2.0)
+        for _ in range(3):
+            a * b, a @ b
+        w = torch.ones(4, 4, requires_grad=True)
+        y = w * b
+        assert y.requires_grad and y.grad_fn is not None
+        y.sum().backward()
+        assert torch.equal(inspect(w.grad), torch.full((4, 4), 2.0))
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            assert (a @ b).dtype == cast_dtype == torch.bfloat16
+        with Seen() as seen:
+            a * b
+        assert seen.ops == [torch.ops.aten.mul.Tensor]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            a * b
+        assert "aten::mul" in {e.name for e in profile.events()}
+        with torch.inference_mode():
+            with counting_dispatch() as reached:
+                a * b
+        assert reached == [torch.ops.aten.mul.Tensor]
