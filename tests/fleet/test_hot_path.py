@@ -197,3 +197,21 @@ def test_a_learnt_operator_goes_through_torch_where_autograd_autocast_or_a_mode_
             with counting_dispatch() as reached:
                 a * b
         assert reached == [torch.ops.aten.mul.Tensor]
+
+
+def test_an_operator_seen_under_a_users_mode_that_rewrites_it_is_not_learnt(mesh1):
+    """What an operator dispatches is learnt only where nothing else could have changed it: a user's
+    dispatch mode that turns add into sub must not make later plain additions subtract."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class AddIsSub(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return (torch.ops.aten.sub.Tensor if func is torch.ops.aten.add.Tensor else func)(*args, **(kwargs or {}))
+
+    with mesh1.activate():
+        a, b = torch.full((2, 7), 3.0, dtype=torch.float64), torch.ones(2, 7, dtype=torch.float64)
+        with AddIsSub():
+            rewritten = [a + b for _ in range(3)]
+        plain = [a + b for _ in range(3)]
+    assert all(torch.equal(inspect(r), torch.full((2, 7), 2.0, dtype=torch.float64)) for r in rewritten)
+    assert all(torch.equal(inspect(p), torch.full((2, 7), 4.0, dtype=torch.float64)) for p in plain)
