@@ -24,7 +24,7 @@ from ..protocol.codec import pack_tensor
 from .context import active_mesh_or_none
 from .host_reads import read_name, read_on_host
 from .issue import New, issue, issue_lean, issue_op
-from .operators import learners, note_lean, use_mode
+from .operators import learners, note_dispatched, note_lean, use_mode
 from .placement import check_inputs, check_mutation, plainly_placed
 from .plan import MAX_PLANS, PLANS, OpPlan, make_plan, outputs_of
 from .propagation import TensorMeta, meta_tensor, op_aliasing, propagate, tensor_meta
@@ -96,6 +96,8 @@ def dispatch(_caller, func, _types, args: tuple = (), kwargs: dict | None = None
     either path, which the call-site captures of :mod:`tdmesh.engine.issue` count on."""
     if kwargs is None:
         kwargs = {}
+    if learners[0]:  # an operator call learns what it dispatches: every op counts (operators.py)
+        note_dispatched()
     remote: list = []
     local: list = []
     parts: list = []

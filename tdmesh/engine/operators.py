@@ -9,7 +9,8 @@ forward AD, inference mode and the profiler are all off, torch would do nothing 
 parse it and hand it to that mode: the op is issued from its plan at once (``issue.issue_lean``),
 3.5-4 us an op less on this VM.  Otherwise torch dispatches it as always.  The table is learnt from
 the dispatcher, under the same conditions (a user's mode could rewrite the op): an operator call that
-dispatched exactly one lean op, on ``[self, other]`` or ``[self]``, is that op from then on.
+dispatched exactly one op, issued by its lean plan on ``[self, other]`` or ``[self]``, is that op from
+then on (``2.0 / x`` is two ops in torch, ``x.reciprocal() * 2.0``: never learnt).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .plan import MAX_PLANS
 from .stream import get_active_stream
 from .tensor import Tensor
 
-__all__ = ["operator_call", "note_lean", "learners", "use_mode"]
+__all__ = ["operator_call", "note_dispatched", "note_lean", "learners", "use_mode"]
 
 _OPERATOR_PLANS: dict = {}
 _learning = threading.local()
@@ -43,11 +44,18 @@ def use_mode(mode) -> None:
     _mesh_mode[0] = mode
 
 
-def note_lean(plan, remote: list) -> None:
-    """From dispatch's lean path while an operator call learns: the plan it dispatched."""
+def note_dispatched() -> None:
+    """From dispatch, for every op it is handed while an operator call learns."""
     seen = getattr(_learning, "seen", None)
     if seen is not None:
-        seen.append((plan, remote))
+        seen.append(None)
+
+
+def note_lean(plan, remote: list) -> None:
+    """From dispatch's lean path while an operator call learns: the plan the op just counted went by."""
+    seen = getattr(_learning, "seen", None)
+    if seen:
+        seen[-1] = (plan, remote)
 
 
 def _operand_key(other):
@@ -93,7 +101,7 @@ def operator_call(name: str, base, self, other):
     finally:
         learners[0] -= 1
         _learning.seen = None
-    if len(seen) == 1:
+    if len(seen) == 1 and seen[0] is not None:  # one op, issued by its lean plan (a dunder may make several)
         plan, remote = seen[0]
         if len(remote) == (2 if type(other) is Tensor else 1) and remote[0] is self and remote[-1] is (
                 other if type(other) is Tensor else self) and len(_OPERATOR_PLANS) < MAX_PLANS:

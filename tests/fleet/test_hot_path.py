@@ -8,6 +8,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 import tdmesh
@@ -215,3 +217,66 @@ def test_an_operator_seen_under_a_users_mode_that_rewrites_it_is_not_learnt(mesh
         plain = [a + b for _ in range(3)]
     assert all(torch.equal(inspect(r), torch.full((2, 7), 2.0, dtype=torch.float64)) for r in rewritten)
     assert all(torch.equal(inspect(p), torch.full((2, 7), 4.0, dtype=torch.float64)) for p in plain)
+
+
+def test_an_operator_torch_makes_of_two_ops_is_never_learnt_as_one(mesh1):
+    """``2.0 / x`` is ``x.reciprocal() * 2.0`` in torch: with the reciprocal planned and the product new,
+    the call dispatches one lean op and one other; it must not be learnt as the reciprocal alone."""
+    with mesh1.activate():
+        x = torch.full((3, 4), 4.0, dtype=torch.float64)
+        for _ in range(2):
+            x.reciprocal()
+        quotients = [2.0 / x for _ in range(4)]
+    assert all(torch.equal(inspect(q), torch.full((3, 4), 0.5, dtype=torch.float64)) for q in quotients)
+
+
+def test_opinfo_operator_samples_match_local_torch_when_issued_again_and_again(mesh1):
+    """torch's OpInfo samples of the reflected operators (scalars on the left: ``2.0 / x``, ``3 - x``...),
+    three rounds of fresh inputs with the same metadata: planned, then learnt, then issued from the learnt
+    plans; every round gives local torch's values."""
+    if mesh1.device_type != "cpu":
+        pytest.skip("the CPU run")
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    from opinfo_conformance import conformance
+    names = {op.name for op in op_db if op.name.startswith("__r")}
+    for _ in range(3):
+        outcomes = conformance(mesh1, "cpu", torch.float32, only=names)
+        assert len({o.op for o in outcomes}) >= 7 and len(outcomes) >= 40  # those with float32 samples
+        failed = [f"{o.op}[{o.sample}]: {o.error}" for o in outcomes if o.error]
+        assert not failed, failed
+
+
+_OPERATORS = ["+", "-", "*", "/", "//", "%", "**", "<", "<=", "==", "!=", ">", ">="]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(_OPERATORS), st.sampled_from([(3,), (2, 3), (1, 3), (4, 1, 3)]),
+       st.sampled_from([torch.float32, torch.float64, torch.int64]),
+       st.one_of(st.none(), st.integers(-3, 3), st.floats(-2.5, 2.5, allow_nan=False), st.booleans()),
+       st.booleans(), st.integers(0, 2**16))
+def test_operators_issued_again_and_again_match_local_torch(mesh1, op, shape, dtype, scalar, left, seed):
+    """Drawn operators, shapes, dtypes and operands (a proxy, or a Python scalar on either side), each
+    call made three times with fresh inputs of the same metadata (planned, learnt, then issued from the
+    learnt plan): each result is local torch's, or both raise."""
+    generator = torch.Generator().manual_seed(seed)
+    results = []
+    for _ in range(3):
+        a = (torch.rand(shape, generator=generator) * 4 + 1).to(dtype)
+        b = (torch.rand(shape[-1:], generator=generator) * 4 + 1).to(dtype) if scalar is None else scalar
+        expression = f"b {op} a" if left else f"a {op} b"
+        try:
+            expected = eval(expression, {"a": a, "b": b})
+        except Exception:  # noqa: BLE001 - local torch refuses it: so must the mesh, at the call or the fetch
+            with pytest.raises(Exception):  # noqa: B017, PT011 - RemoteException or torch's own
+                with mesh1.activate():
+                    remote_b = torch.tensor(b) if scalar is None else b
+                    inspect(eval(expression, {"a": torch.tensor(a), "b": remote_b}))
+            return
+        with mesh1.activate():
+            remote_b = torch.tensor(b) if scalar is None else b
+            got = eval(expression, {"a": torch.tensor(a), "b": remote_b})
+        results.append((got, expected))
+    for got, expected in results:
+        value = inspect(got)
+        torch.testing.assert_close(value, expected, rtol=0, atol=0, equal_nan=True)  # dtype and shape too
