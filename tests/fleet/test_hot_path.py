@@ -1,7 +1,9 @@
 """The eager hot path (issue 29): an op seen before is issued by its plan in one pass
-(``issue.issue_lean``), and an operator on proxies skips the mesh's torch-function mode where that
-mode is the innermost.  What the shortcuts must keep: the user's line on every path, every user
-mode and subclass that would have seen the call, the placement checks, and the values."""
+(``issue.issue_lean``), an operator on proxies skips the mesh's torch-function mode where that mode is
+the innermost, and a learnt operator skips torch's dispatcher where nothing else would see it
+(``engine/operators.py``).  What the shortcuts must keep: the user's line on every path, every user
+mode, subclass, autograd, autocast and profiler that would have seen the call, the placement checks,
+and local torch's values."""
 
 import inspect as pyinspect
 import os
