@@ -186,8 +186,9 @@ def _add_rows(mesh, n: int, repeats: int) -> dict:
 
     import tdmesh
     import tdmesh.engine.dispatch as dispatch_module
-    import tdmesh.engine.tensor as tensor_module
     import tdmesh.errors as errors
+    from tdmesh.engine.activation import MeshFunctions
+    from tdmesh.engine.operators import install
     from tdmesh.engine.tensor import AliasSet, Tensor, new_proxy
 
     empty_cls, fresh_cls, meta = _wrappers()
@@ -226,7 +227,6 @@ def _add_rows(mesh, n: int, repeats: int) -> dict:
         "least sent + site": lambda self, func, types, args=(), kwargs=None: least(self, func, types, args, kwargs,
                                                                                  site=True)}
     mode, handler = dispatch_module._MeshMode, dispatch_module._MeshMode.__torch_dispatch__
-    operator_calls, operator_call = tensor_module._operator_call, tensor_module._operator_call[0]
     activation: list = []
 
     def on_mesh(name: str):
@@ -235,12 +235,12 @@ def _add_rows(mesh, n: int, repeats: int) -> dict:
             if name in handlers:
                 mode.__torch_dispatch__ = handlers[name]  # type: ignore[method-assign]
                 # the floor handlers are the mode's: operators reach them through torch's dispatcher
-                operator_calls[0] = lambda name, base, self, other: base(self, other)
+                install(MeshFunctions, learnt=False)
             elif name == "tdmesh, no site":
                 _capture_call_sites(False)
 
         def leave():
-            operator_calls[0] = operator_call
+            install(MeshFunctions)
             mode.__torch_dispatch__ = handler  # type: ignore[method-assign]
             _capture_call_sites(True)
             sent.clear()

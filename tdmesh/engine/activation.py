@@ -32,9 +32,9 @@ from .autograd_context import note_context
 from .backward import backward, mirror_requires_grad
 from .context import active_mesh, active_mesh_or_none
 from .dispatch import MESH_MODE, ship_local
-from .operators import operator_call
+from .operators import install as install_operators
 from .optimizers import set_aside_for_torchs_optimizers
-from .tensor import Tensor, operators_pass_through
+from .tensor import Tensor
 from .unshaped import host_values
 
 __all__ = ["Activation", "MeshFunctions", "no_mesh", "deactivate"]
@@ -208,7 +208,7 @@ def _backward(func, args, kwargs):
     return backward(_with_backward_site, func, args, kwargs)
 
 
-operators_pass_through(MeshFunctions, operator_call)
+install_operators(MeshFunctions)
 _SPECIAL = {torch.tensor: _ship, torch.as_tensor: _ship, torch.asarray: _ship,
             torch.tensor_split: _split_by_remote_indices, torch.Tensor.tensor_split: _split_by_remote_indices,
             torch.Tensor.backward: _backward, torch.autograd.backward: _backward,

@@ -44,6 +44,7 @@ _BARE = (m.CallOp, m.CallRecording)
 # A coalescing block streams in batches of this size (~400 CallOps): the workers start on a long block
 # within milliseconds (256 KiB held ~6,500 back: slower than plain dispatch), ~100x fewer frames than ops.
 _COALESCED_BATCH_BYTES = 16 * 1024
+_PROBE_RECHECK = 16  # ops between two looks at whether the last probe was answered, once one is due
 _dumps, _PROTOCOL = pickle.dumps, pickle.HIGHEST_PROTOCOL  # transport.encode, without the call: once per op
 _monotonic = time.monotonic
 
@@ -88,6 +89,8 @@ class Client:
         self.supervision = supervision or SupervisionParams.from_env()
         self.controller = controller or ControllerParams.from_env()
         self._ops_since_probe = 0
+        self._last_probe_seq = -1
+        self._last_queued = self._last_flush
         self._probe_every = self.controller.ops_per_progress_request
         self.debugger = Debugger(self)
         self.observations = Observations(self)  # samples and stacks for tdmesh.dashboard / tdmesh.stacks
@@ -170,20 +173,26 @@ class Client:
         self._queued(seq)
 
     def _queued(self, seq: int | None) -> None:
-        """After a message is queued (the caller holds the lock): wake an idle flusher, probe progress
-        every so many ops, send when enough is queued or the interval has passed."""
+        """After a message is queued (the caller holds the lock): wake an idle flusher, probe progress every so
+        many ops once the last probe is answered (an answer wakes the reader, which takes the GIL from this
+        thread), send when enough is queued or the interval has passed (the flusher's rule: flusher.py)."""
         if self._flusher_idle:
             self._wake_flusher()
         if seq is not None:
             self._ops_since_probe += 1
             if self._ops_since_probe >= self._probe_every:
-                self._queue_probe(seq)  # after the op itself: the probe must not overtake it
+                if self.supervisor.answered(self._last_probe_seq):
+                    self._queue_probe(seq)  # after the op itself: the probe must not overtake it
+                else:
+                    self._ops_since_probe -= _PROBE_RECHECK
         if coalescing._depth:  # coalescing.depth(), without the call: once per op
             coalescing.clients().add(self)
             if self.outbox.bytes > _COALESCED_BATCH_BYTES:  # a long block streams: the workers start on it
                 self.flush()
-        elif self.outbox.bytes > _FLUSH_BYTES or _monotonic() - self._last_flush > self.flush_interval:
-            self.flush()
+        else:
+            now = self._last_queued = _monotonic()
+            if self.outbox.bytes > _FLUSH_BYTES or now - self._last_flush > self.flush_interval:
+                self.flush()
 
     def send_setup(self, msg, ranks=None) -> None:
         """A message that sets the fleet up (groups, recordings, supervision): never part of a
@@ -198,6 +207,7 @@ class Client:
         """A RequestStatus after ``seq``: progress for the supervisor and completion for the
         history, so long runs without fetches keep both current (and memory flat)."""
         self._ops_since_probe = 0
+        self._last_probe_seq = seq
         self.outbox.put_all(encode(m.RequestStatus(seq)))
         self.supervisor.probed(seq)
         self._drain_inbox()

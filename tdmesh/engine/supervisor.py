@@ -139,6 +139,10 @@ class Supervisor:
         if first_uncompleted > self.progress.get(rank, 0):
             self.progress[rank] = first_uncompleted
 
+    def answered(self, seq: int) -> bool:
+        """Whether every child has run every op up to ``seq`` (the Status of a probe after it came back)."""
+        return min(self.progress.values(), default=seq + 1) > seq
+
     # called by the client under its lock when it sends a probe ---------------------------------
     def probed(self, seq: int) -> None:
         self.probes.append((seq, time.monotonic()))

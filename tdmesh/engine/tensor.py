@@ -19,7 +19,8 @@ from ..errors import PlacementError, UsageError, call_site, user_line
 from .propagation import SparseMeta, TensorMeta, meta_tensor
 from .stream import Stream
 
-__all__ = ["Tensor", "RefOwner", "AliasSet", "new_proxy", "describe", "raise_in_op", "operators_pass_through"]
+__all__ = ["Tensor", "RefOwner", "AliasSet", "new_proxy", "describe", "raise_in_op", "binary_call",
+           "BINARY_OPERATORS"]
 
 
 class RefOwner:
@@ -211,57 +212,33 @@ def raise_in_op(code: str, message: str) -> NoReturn:
     raise error
 
 
-# The mesh's torch-function mode (activation.MeshFunctions, registered there: it sits above this
-# module) passes every operator through unchanged: an operator is no special function, no factory and
-# has no keywords.  So where it is the innermost torch-function mode, an operator on a proxy runs with
-# it popped: the same call torch would make from inside the mode, without the round trip through it
-# (torch pops the mode, calls its Python and pushes it back: 2.7 us of the add loop's ~18 on this VM).
-# As a DeviceContext it is at the bottom of the stack: with any mode of the user's on, that one is the
-# innermost and sees the operator as before; so does any tensor subclass's own __torch_function__.
-_passes_operators: list[type] = []
-_stack_length, _stack_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
-_pop_functions_mode, _push_functions_mode = torch._C._pop_torch_function_stack, torch._C._push_on_torch_function_stack
-
-
-_operator_call: list = [None]  # dispatch.operator_call: an operator with the mesh's mode popped
-
-
-def operators_pass_through(mode_type: type, call) -> None:
-    """Operators on proxies skip ``mode_type``, a torch-function mode that passes them through, where
-    it is the innermost mode; ``call(name, base, self, other)`` runs them then."""
-    _passes_operators[:] = [mode_type]
-    _operator_call[0] = call
+def binary_call(base, self, other):
+    """``base(self, other)`` (a ``torch.Tensor`` binary operator), re-raising the error an op raised
+    where torch made it ``NotImplemented``."""
+    _last_error.value = None
+    out = base(self, other)
+    if out is NotImplemented:
+        error, _last_error.value = getattr(_last_error, "value", None), None
+        if error is not None:
+            raise error
+    return out
 
 
 def _binary(name: str):
+    """The operator as torch's, its op's errors kept (``tdmesh.engine.operators`` installs faster ones)."""
     base = getattr(torch.Tensor, name)
-    passes = _passes_operators
-    calls = _operator_call
 
     def operator(self, other):
-        _last_error.value = None
-        depth = _stack_length()
-        if depth and type(mode := _stack_at(depth - 1)) is passes[0]:
-            _pop_functions_mode()
-            try:
-                out = calls[0](name, base, self, other)
-            finally:
-                _push_functions_mode(mode)
-        else:
-            out = base(self, other)
-        if out is NotImplemented:
-            error, _last_error.value = getattr(_last_error, "value", None), None
-            if error is not None:
-                raise error
-        return out
+        return binary_call(base, self, other)
 
     operator.__name__ = name
     return operator
 
 
-_BINARY = [f"__{p}{n}__" for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
-                                   "and", "or", "xor", "lshift", "rshift") for p in ("", "r", "i")
-           if hasattr(torch.Tensor, f"__{p}{n}__")] + ["__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"]
-for _name in _BINARY:
+BINARY_OPERATORS = [f"__{p}{n}__" for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+                                            "and", "or", "xor", "lshift", "rshift") for p in ("", "r", "i")
+                    if hasattr(torch.Tensor, f"__{p}{n}__")] + ["__eq__", "__ne__", "__lt__", "__le__", "__gt__",
+                                                                "__ge__"]
+for _name in BINARY_OPERATORS:
     setattr(Tensor, _name, _binary(_name))
 Tensor.__hash__ = torch.Tensor.__hash__  # type: ignore[method-assign]

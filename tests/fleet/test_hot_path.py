@@ -160,6 +160,28 @@ def test_a_learnt_operator_is_issued_without_torchs_dispatcher_and_gives_the_sam
         assert torch.equal(inspect(other_value), torch.arange(6.0).reshape(2, 3) - 2)
 
 
+def test_a_nested_activation_and_no_mesh_inside_an_activation_keep_the_operators_right(mesh1):
+    """An activation inside another replaces the mesh's torch-function mode (torch keeps one device context,
+    at the bottom of the stack): learnt operators stay learnt.  Inside ``no_mesh`` the mesh's dispatch mode is
+    set aside: a proxy's operator reaches the mesh through torch's dispatcher (the tensor's own handler), a
+    local tensor's is plain torch's."""
+    with mesh1.activate():
+        a = torch.arange(6.0)
+        for _ in range(2):
+            learnt = a * 3
+        with mesh1.activate():
+            assert function_modes() == [MeshFunctions]
+            with counting_dispatch() as reached:
+                nested = a * 3
+        assert reached == [], reached
+        with tdmesh.no_mesh.activate():
+            outside = a * 3
+            local = torch.arange(6.0) * 3
+        assert type(outside) is tdmesh.Tensor and type(local) is torch.Tensor
+        for x in (learnt, nested, outside):
+            assert torch.equal(inspect(x), local)
+
+
 def test_a_learnt_operator_goes_through_torch_where_autograd_autocast_or_a_mode_must_see_it(mesh1):
     """The same operator and operand metadata, learnt on plain tensors, then: an input that requires grad
     (autograd records it), autocast (it casts), a user's dispatch mode (it sees the aten op), the

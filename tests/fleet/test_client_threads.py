@@ -1,0 +1,87 @@
+"""The client's background threads while a thread issues: each wake of the flusher or the reader takes
+the GIL from the issuing thread (on this VM's 2 cores ~1.5-2 us of every op in the add loop went to
+them), so they wake only when they have something to do."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+import tdmesh
+from tdmesh import inspect, remote
+from tdmesh.config import ControllerParams
+
+
+def _probes_of(client) -> list[int]:
+    """The seq of every progress probe the client queues from now on (the real probe is sent too)."""
+    seqs: list[int] = []
+    queue_probe = client._queue_probe
+
+    def recording(seq: int) -> None:
+        seqs.append(seq)
+        queue_probe(seq)
+
+    client._queue_probe = recording
+    return seqs
+
+
+def test_a_progress_probe_waits_for_the_answer_to_the_last_one():
+    """Every ``ops_per_progress_request`` ops the client asks the workers how far they are; while they
+    have not answered the last question, a new one would only be answered after it (each answer wakes
+    the client's reader): behind a slow op 500 ops send one probe, not 50, and probes go on once it is
+    answered."""
+    sleep = remote("time.sleep", propagate="inspect")
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, controller=ControllerParams(ops_per_progress_request=10),
+                           pool=False) as mesh, mesh.activate():
+        client = mesh.client
+        x = torch.zeros(2)
+        assert inspect(x).tolist() == [0.0, 0.0]  # every earlier probe answered (its Status precedes the value)
+        probes = _probes_of(client)
+        sleep(1.5)  # the worker is busy for 1.5 s: 500 adds take a few ms to issue
+        first = client.last_seq
+        for _ in range(500):
+            x = x + 1
+        busy = list(probes)
+        assert client.last_seq - first == 500
+        assert len(busy) == 1 and first < busy[0] <= first + 10, busy
+        assert inspect(x).tolist() == [500.0, 500.0]
+        for _ in range(50):
+            x = x + 1
+        assert len(probes) > 1 and probes[-1] > client.last_seq - 50, probes  # answered: probing again
+        assert inspect(x).tolist() == [550.0, 550.0]
+
+
+def test_the_flusher_sends_only_what_an_issuing_thread_left_when_it_went_quiet():
+    """While a thread issues it sends its own ops every ``flush_interval``; the flusher sends only once that
+    thread has queued nothing for the interval (it used to send whenever the last send was that old, taking
+    the client's lock between two ops of the issuing thread), and then it does send: nothing waits for a
+    fetch."""
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, pool=False) as mesh, mesh.activate():
+        client = mesh.client
+        quiet_for: list[float] = []  # at each of the flusher's sends: how long since a thread queued
+        flush = client.flush
+
+        def watched_flush() -> None:
+            if threading.current_thread() is client._flusher:
+                quiet_for.append(time.monotonic() - client._last_queued)
+            flush()
+
+        client.flush = watched_flush
+        x = torch.zeros(2)
+        for _ in range(3):
+            start = time.monotonic()
+            while time.monotonic() - start < 0.3:  # ~150 of the issuing thread's own sends
+                x = x + 1
+            sends = len(quiet_for)
+            assert client._deletes  # at least the free of the last x's predecessor, queued after that op
+            deadline = time.monotonic() + 10
+            while (client.pending_messages() or client._deletes) and time.monotonic() < deadline:
+                time.sleep(0.001)  # no fetch: sending what is left is the flusher's job
+            assert client.pending_messages() == 0 and not client._deletes
+            assert len(quiet_for) == sends + 1  # one send, once this thread had been quiet for the interval
+        client.flush = flush
+        assert all(q >= client.flush_interval for q in quiet_for), (quiet_for, client.flush_interval)
+        total = inspect(x)
+        assert total[0] == total[1] > 0
