@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
@@ -223,6 +224,11 @@ def test_a_learnt_operator_goes_through_torch_where_autograd_autocast_or_a_mode_
             with counting_dispatch() as reached:
                 a * b
         assert reached == [torch.ops.aten.mul.Tensor]
+        with fwAD.dual_level():  # no dual inputs here: torch's answer is the plain product, by its dispatcher
+            with counting_dispatch() as reached:
+                product = a * b
+        assert reached == [torch.ops.aten.mul.Tensor]
+        assert torch.equal(inspect(product), torch.full((4, 4), 2.0))
 
 
 def test_an_operator_seen_under_a_users_mode_that_rewrites_it_is_not_learnt(mesh1):
