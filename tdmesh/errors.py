@@ -126,7 +126,10 @@ _SKIP = (os.path.dirname(os.path.abspath(__file__)) + os.sep, _dir_of("torch"), 
          os.path.dirname(os.__file__) + os.sep + "contextlib")
 
 
-_skipped: dict = {}  # code object -> whether its frames are tdmesh's or torch's (not the user's), or _ENGINE
+# id(code object) -> (the code, whether its frames are tdmesh's or torch's (not the user's), or _ENGINE).
+# Keyed by id: hashing a code object hashes its constants, nested functions' code among them (1.6 us for a
+# function with closures, once per op).  The code is held, so no other code object has its id while cached.
+_skipped: dict[int, tuple] = {}
 _ENGINE = 2  # a frame of torch's function that runs the autograd engine: see backward_sites
 
 # The backward calls in flight, as (thread ident, site of the call): pushed and popped by the
@@ -141,17 +144,19 @@ in_backward: Callable[[], bool] = lambda: False  # whether autograd's engine is 
 
 def note_engine_code(code) -> None:
     """``code`` is torch's function that runs the autograd engine (registered by the engine layer)."""
-    _skipped[code] = _ENGINE
+    _skipped[id(code)] = (code, _ENGINE)
 
 
 def _skip(code) -> bool | int:
-    skip = _skipped.get(code)
-    if skip is None:
-        if len(_skipped) > 50_000:  # generated code (exec in a loop) must not grow it for ever
-            engine = [c for c, kind in _skipped.items() if kind == _ENGINE]
-            _skipped.clear()
-            _skipped.update(dict.fromkeys(engine, _ENGINE))
-        skip = _skipped[code] = code.co_filename.startswith(_SKIP)
+    found = _skipped.get(id(code))
+    if found is not None:
+        return found[1]
+    if len(_skipped) > 50_000:  # generated code (exec in a loop) must not grow it for ever
+        engine = {key: entry for key, entry in _skipped.items() if entry[1] == _ENGINE}
+        _skipped.clear()
+        _skipped.update(engine)
+    skip = code.co_filename.startswith(_SKIP)
+    _skipped[id(code)] = (code, skip)
     return skip
 
 
@@ -181,9 +186,8 @@ def call_site(skip: int = 0) -> list:
     frame: FrameType | None = sys._getframe(1 + skip)
     skipped = _skipped
     while frame is not None:
-        tdmesh_or_torch = skipped.get(frame.f_code)
-        if tdmesh_or_torch is None:
-            tdmesh_or_torch = _skip(frame.f_code)
+        entry = skipped.get(id(frame.f_code))
+        tdmesh_or_torch = entry[1] if entry is not None else _skip(frame.f_code)
         if not tdmesh_or_torch:
             break
         if tdmesh_or_torch == _ENGINE and backward_sites:  # an op autograd's engine runs on this thread
