@@ -6,8 +6,9 @@ used to send whenever the last send was that old, so it often took the client's 
 of an issuing thread, which then waited for it and for the GIL (the tiny GPT's eager step 1.23x
 slower in an A/B on 2 cores, ``.dbg/ab_flusher.py``; the add loop 15.2 -> 12.0 us an op with this rule,
 ``python -m bench.background_threads``).  A thread's last ops wait at most the interval
-(``tests/fleet/test_client_threads.py``).  With nothing queued it sleeps until something is (``Client._wake_flusher``), not every
-2 ms: an idle client took 2.6% of a core waking up to find nothing to send.
+(``tests/fleet/test_client_threads.py``).  With nothing queued it sleeps until something is
+(``Client._wake_flusher``), not every 2 ms: an idle client took 2.6% of a core waking up to find
+nothing to send.
 """
 
 from __future__ import annotations
