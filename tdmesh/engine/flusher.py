@@ -38,8 +38,9 @@ def flush_loop(client) -> None:
         delay = client.flush_interval
         if (client.outbox.log or client._deletes) and not client.coalescing_held():
             if client.lock.acquire(timeout=0.05):
-                try:
-                    if not client.closed and client.failure is None:
+                try:  # a thread may have queued again while this one waited for the lock: it sends itself
+                    if not client.closed and client.failure is None and \
+                            _monotonic() - client._last_queued >= client.flush_interval:
                         client.flush()
                 finally:
                     client.lock.release()
