@@ -45,7 +45,7 @@ def test_a_progress_probe_waits_for_the_answer_to_the_last_one():
             x = x + 1
         busy = list(probes)
         assert client.last_seq - first == 500
-        assert len(busy) == 1 and first < busy[0] <= first + 10, busy
+        assert len(busy) == 1 and first < busy[0] <= first + 32, busy  # within a few looks at the last probe
         assert inspect(x).tolist() == [500.0, 500.0]
         for _ in range(50):
             x = x + 1
