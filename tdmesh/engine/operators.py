@@ -92,7 +92,7 @@ def _operator(name: str, mode_type: type, learnt: bool):
             return binary_call(base, self, other)
         _pop_function_mode()
         try:
-            if depth > 1 or not learnt:  # another mesh's mode below (nested activations): torch decides
+            if depth > 1 or not learnt:  # a mode left below (torch keeps the DeviceContext lowest): torch's way
                 return binary_call(base, self, other)
             t = type(other)  # the operand as dispatch's plan keys hold it (dispatch._scan)
             part = other._meta if t is Tensor else (t, other) if t is float or t is bool or t is complex else \
