@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import tdmesh.errors as errors
 from tdmesh.errors import call_site, site_text
 
-TDMESH_FILE = os.path.join(os.path.dirname(errors.__file__), "engine", "generated_for_a_test.py")
+ENGINE_FILE = os.path.join(os.path.dirname(errors.__file__), "engine", "generated_for_a_test.py")
 
 
 def _function(filename: str, name: str):
@@ -35,7 +35,7 @@ def test_the_innermost_user_frame_is_found_through_tdmesh_frames_made_and_freed_
     for _ in range(20):
         call = call_site
         for i in reversed(range(len(layers))):  # partial: no frame of its own between two layers
-            call = functools.partial(_function(TDMESH_FILE if layers[i] else f"/user/code_{i}.py", f"layer_{i}"),
+            call = functools.partial(_function(ENGINE_FILE if layers[i] else f"/user/code_{i}.py", f"layer_{i}"),
                                      call)
         site = _function("/user/main.py", "main")(call)
         assert site[0][0].co_name == expected, (site_text(site), layers)
@@ -47,7 +47,7 @@ def test_the_innermost_user_frame_is_found_through_tdmesh_frames_made_and_freed_
 def test_a_site_skips_tdmeshs_frames_until_the_users(tmp_path):
     """Called from tdmesh's code (a function compiled under tdmesh's directory), the site is the user's
     frame that called it, not tdmesh's."""
-    inner = _function(TDMESH_FILE, "tdmesh_inner")
+    inner = _function(ENGINE_FILE, "tdmesh_inner")
     for _ in range(100):  # the same code object again: the cached answer
         site = inner(call_site)
         assert site_text(site).startswith(f'File "{__file__}"'), site_text(site)
