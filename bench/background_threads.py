@@ -16,6 +16,8 @@ row its median round: the VM's speed drifts), timing wall clock and the issuing 
   flusher as before     the flusher sends whenever the last send is older than the interval, also
                         between two ops of a thread that is still issuing (the rule before)
   both as before
+  no probes             as tdmesh runs, with no progress probes (the reader's wakes left out)
+  flusher asleep        as tdmesh runs, with the flusher's sleeps 100x as long (its wakes left out)
   neither thread        no probes, and the flusher's sleeps 100x as long: the floor, what the loop
                         costs with neither thread waking (not a way to run: the workers' progress
                         goes unseen, a thread's last ops wait for a fetch)
@@ -68,12 +70,15 @@ def main(argv=None) -> int:
             elif isinstance(vars(client_module.Client).get("_last_queued"), property):
                 del client_module.Client._last_queued  # type: ignore[attr-defined]
 
-        def neither(on: bool) -> None:
+        def no_probes(on: bool) -> None:
             client._probe_every = 1 << 60 if on else every
+
+        def flusher_asleep(on: bool) -> None:
             sleep_scale[0] = 100.0 if on else 1.0
 
         variants = {"as tdmesh runs": [], "probes as before": [old_probes], "flusher as before": [old_flusher],
-                    "both as before": [old_probes, old_flusher], "neither thread": [neither]}
+                    "both as before": [old_probes, old_flusher], "no probes": [no_probes],
+                    "flusher asleep": [flusher_asleep], "neither thread": [no_probes, flusher_asleep]}
         ones = torch.ones(100, 100)
 
         def loop() -> tuple[float, float]:

@@ -8,7 +8,11 @@ slower in an A/B on 2 cores, ``.dbg/ab_flusher.py``; the add loop 15.2 -> 12.0 u
 ``python -m bench.background_threads``).  A thread's last ops wait at most the interval
 (``tests/fleet/test_client_threads.py``).  With nothing queued it sleeps until something is
 (``Client._wake_flusher``), not every 2 ms: an idle client took 2.6% of a core waking up to find
-nothing to send.
+nothing to send; but not right after a thread sent its own ops, as that thread is likely to queue
+again at once, and setting the event then cost it (half of this thread's wakes in the add loop).
+Each wake still takes the GIL from an issuing thread: on this VM's 2 cores the flusher's wakes, one
+per interval, cost the add loop ~1.7 us an op (``bench.background_threads``'s "flusher asleep" row);
+fewer would let a thread's last ops wait longer.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ def flush_loop(client) -> None:
     delay = client.flush_interval
     while not client.closed:
         if _nothing_to_send(client):
+            quiet = _monotonic() - client._last_queued
+            if quiet < client.flush_interval:  # a thread that just sent its own ops: it is likely to queue
+                time.sleep(client.flush_interval - quiet)  # again at once, and waking this thread then costs it
+                continue
             client._work_queued.clear()
             client._flusher_idle = True  # from here a queuing thread wakes it...
             if _nothing_to_send(client):  # ...so what was queued before this line is seen here
