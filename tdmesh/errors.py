@@ -183,7 +183,10 @@ def call_site(skip: int = 0) -> list:
     for every op (the line numbers are worked out only when an error names the site).
     ``skip``: how many frames above the caller are tdmesh's for sure (``sys._getframe``
     passes over them without making frame objects, which walking ``f_back`` does)."""
-    frame: FrameType | None = sys._getframe(1 + skip)
+    try:
+        frame: FrameType | None = sys._getframe(1 + skip)
+    except ValueError:  # fewer frames than ``skip`` says: a thread begun in C (autograd's device thread)
+        frame = None
     skipped = _skipped
     while frame is not None:
         entry = skipped.get(id(frame.f_code))

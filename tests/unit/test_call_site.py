@@ -52,3 +52,27 @@ def test_a_site_skips_tdmeshs_frames_until_the_users(tmp_path):
         site = inner(call_site)
         assert site_text(site).startswith(f'File "{__file__}"'), site_text(site)
         assert site[0][0].co_name == "test_a_site_skips_tdmeshs_frames_until_the_users"
+
+
+def test_a_thread_begun_in_c_with_fewer_frames_than_skipped_gets_an_empty_site():
+    """autograd's engine runs a CUDA backward's ops on a thread it started in C: there the op's only Python
+    frames are tdmesh's, fewer than ``issue_lean``'s ``call_site(2)`` skips (``sys._getframe`` raised
+    ValueError and every such op failed: found by the H100 lease's ``bench.dispatch_floor``).  A thread
+    started by ``_thread.start_new_thread`` has just its function's frame, as that one has."""
+    import _thread
+    import threading
+
+    results: list = []
+    done = threading.Event()
+
+    def shallow() -> None:
+        try:
+            results.append(call_site(2))
+        except Exception as e:  # noqa: BLE001 - the failure this test is about
+            results.append(e)
+        finally:
+            done.set()
+
+    _thread.start_new_thread(shallow, ())
+    assert done.wait(10)
+    assert results == [[]], results
