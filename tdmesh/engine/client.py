@@ -98,7 +98,7 @@ class Client:
         self.supervisor = Supervisor(self, self.supervision, self.controller, process_failure)
         self._reader = threading.Thread(target=read_loop, args=(self,), name="tdmesh-reader", daemon=True)
         self._reader.start()
-        self._flusher_idle = False  # the flusher waits on _work_queued, not the clock (see _flush_loop)
+        self._flusher_idle = False  # the flusher waits on _work_queued, not the clock (flusher.py)
         self._work_queued = threading.Event()
         self._flusher = threading.Thread(target=flush_loop, args=(self,), name="tdmesh-flusher", daemon=True)
         self._flusher.start()

@@ -148,7 +148,8 @@ def issue_lean(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> 
         ref = client.next_ref
         client.next_ref = ref + 1
         proxy = new_proxy(meta, device, mesh, ref, remote[slot]._r.aliases if slot >= 0 else AliasSet(), stream)
-        # the site from here: issue_lean <- dispatch (the mode's or Tensor's __torch_dispatch__) or operator_call
+        # the site from here: issue_lean <- dispatch (the mode's or Tensor's __torch_dispatch__) or the operator
+        # itself (operators.py); the walk starts above them
         client.queue_op(mesh.rank_list, op, ref, tuple([t._r.id for t in remote]), stream.id, call_site(2))
     return proxy
 
