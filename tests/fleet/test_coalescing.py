@@ -65,7 +65,9 @@ def test_nested_blocks_flush_once_when_the_outer_block_exits(mesh1):
             inner_exit = client.pending_messages()
             assert inner_exit >= 6  # the inner exit sent nothing
             x = x - 1
-            assert client.pending_messages() == inner_exit + 1
+            # held behind the others, not sent; a progress probe may join it (one every so many ops of the
+            # session's shared mesh, and later while the last is unanswered: when is not this test's to know)
+            assert inner_exit + 1 <= client.pending_messages() <= inner_exit + 2
         assert client.pending_messages() == 0
         got = inspect(x)
     assert torch.equal(got, torch.full((2,), 31.0))
