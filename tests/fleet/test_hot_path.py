@@ -231,6 +231,34 @@ def test_a_learnt_operator_goes_through_torch_where_autograd_autocast_or_a_mode_
         assert torch.equal(inspect(product), torch.full((4, 4), 2.0))
 
 
+def test_learnt_operators_under_torch_func_transforms_give_local_torchs_values(mesh1):
+    """``torch.func.vmap`` and ``torch.func.jvp`` over proxies, with every operator of the function already
+    learnt: local torch's values.  Under a transform an operator on a proxy the transform did not wrap (one
+    the function closes over) goes through torch's dispatcher, not its learnt plan: a transform is torch's
+    to see (``_functorch_active`` in ``operators._nothing_else_would_see_it``)."""
+    local_x = torch.arange(12.0, dtype=torch.float64).reshape(3, 4)
+    local_w = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
+
+    def f(row, w):
+        return row * w + 2.0 - row / (w + 3.0)
+
+    expected_vmap = torch.func.vmap(f, in_dims=(0, None))(local_x, local_w)
+    expected_jvp = torch.func.jvp(lambda r: f(r, local_w), (local_x,), (torch.ones_like(local_x),))
+    with mesh1.activate():
+        x, w = torch.tensor(local_x.tolist(), dtype=torch.float64), torch.tensor(local_w.tolist(), dtype=torch.float64)
+        for _ in range(3):  # every operator of f on these operands: planned, then learnt
+            f(x, w), w * 2.0
+        got_vmap = torch.func.vmap(f, in_dims=(0, None))(x, w)
+        got_primal, got_tangent = torch.func.jvp(lambda r: f(r, w), (x,), (torch.ones_like(x),))
+        with counting_dispatch() as reached:
+            doubled = torch.func.vmap(lambda row: row + w * 2.0)(x)  # w * 2.0: learnt, on a proxy not wrapped
+        assert torch.ops.aten.mul.Tensor in reached
+        assert torch.equal(inspect(got_vmap), expected_vmap)
+        assert torch.equal(inspect(got_primal), expected_jvp[0])
+        assert torch.equal(inspect(got_tangent), expected_jvp[1])
+        assert torch.equal(inspect(doubled), local_x + local_w * 2.0)
+
+
 def test_an_operator_seen_under_a_users_mode_that_rewrites_it_is_not_learnt(mesh1):
     """What an operator dispatches is learnt only where nothing else could have changed it: a user's
     dispatch mode that turns add into sub must not make later plain additions subtract."""
