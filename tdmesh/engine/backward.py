@@ -11,8 +11,9 @@ client can describe, the backward is one call of ``tdmesh.worker.backward.run_ba
 client makes the proxies of the new gradients (as ``AccumulateGrad`` would) and frees what its
 graph saved; ``torch.autograd.grad`` of leaves likewise returns the new proxies.  Anything else
 (custom ``autograd.Function``s, hooks, ``retain_grad``, ``create_graph``, ``inputs=``, a
-pipeline's meshes, checkpointing, anomaly mode) runs on the client's engine as before, and the
-workers drop their copy of the graph.  Hooks registered
+pipeline's meshes, checkpointing, anomaly mode, a graph that reaches nodes a ``create_graph`` backward
+made: ``client_graphs.py``) runs on the client's engine as before, and the workers drop their copy of
+the graph.  Hooks registered
 on autograd nodes themselves (``grad_fn.register_hook``) cannot be seen: code that uses them
 sets ``TDMESH_BACKWARD=client``.  The workers check that their graph has the client's shape
 before running it (``tdmesh.protocol.graph_digest``).
@@ -26,7 +27,7 @@ import torch
 
 from ..protocol import messages as m
 from ..protocol.graph_digest import digest, reachable
-from . import saved
+from . import client_graphs, saved
 from .autograd_context import context_of_span, forward_context
 from .issue import New, issue
 from .propagation import TensorMeta
@@ -134,6 +135,9 @@ def _plan(roots: list, grad_roots: list):
             if g is not None and (type(g) is not Tensor or g._mesh is not mesh or g._stream is not stream):
                 return _client("a gradient given is not a tensor of the roots' mesh and stream")
         nodes, edges = reachable([r.grad_fn for r in roots])
+        if client_graphs.MARKED[0] and client_graphs.reaches_marked(nodes):
+            return _client("a node was made by a backward on the client's engine (create_graph=True): the "
+                           "workers hold no copy of it")
         saved_by_node = saved.saved_by_node()
         seqs: list[int] = []
         leaves: list = []
@@ -264,7 +268,10 @@ def _grad(run_on_client, func, args: tuple, kwargs: dict):
             plan = None
     if plan is None:
         COUNTS["client"] += 1
+        before = client_graphs.graph_nodes(roots) if create_graph else None
         out = run_on_client(func, args, kwargs)
+        if before is not None:
+            client_graphs.mark_new(before, out)
         if roots and type(roots[0]) is Tensor and not retain_graph:
             _drop_on_workers(roots)
         return out
@@ -359,7 +366,11 @@ def backward(run_on_client, func, args: tuple, kwargs: dict):
         COUNTS["workers"] += 1
         return None
     COUNTS["client"] += 1
+    before = client_graphs.graph_nodes(roots) if create_graph else None
     out = run_on_client(func, args, kwargs)
+    if before is not None:  # the new gradients are the leaves' .grad
+        with torch._C.DisableTorchFunction():
+            client_graphs.mark_new(before, [n.variable.grad for n in before if type(n) is _ACCUMULATE])
     if REDUCING[0] and roots:
         _reduce_after_client(roots)
     if roots and type(roots[0]) is Tensor and not retain_graph:
