@@ -370,7 +370,7 @@ def backward(run_on_client, func, args: tuple, kwargs: dict):
     out = run_on_client(func, args, kwargs)
     if before is not None:  # the new gradients are the leaves' .grad
         with torch._C.DisableTorchFunction():
-            client_graphs.mark_new(before, [n.variable.grad for n in before if type(n) is _ACCUMULATE])
+            client_graphs.mark_new(before, [n.variable.grad for n in before if type(n) is _ACCUMULATE])  # type: ignore[union-attr]
     if REDUCING[0] and roots:
         _reduce_after_client(roots)
     if roots and type(roots[0]) is Tensor and not retain_graph:
