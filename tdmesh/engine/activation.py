@@ -34,6 +34,7 @@ from .context import active_mesh, active_mesh_or_none
 from .dispatch import MESH_MODE, ship_local
 from .operators import install as install_operators
 from .optimizers import set_aside_for_torchs_optimizers
+from .packed_sequences import SPECIAL as PACKED_SEQUENCE_CALLS
 from .tensor import Tensor
 from .unshaped import host_values
 
@@ -213,6 +214,7 @@ _SPECIAL = {torch.tensor: _ship, torch.as_tensor: _ship, torch.asarray: _ship,
             torch.tensor_split: _split_by_remote_indices, torch.Tensor.tensor_split: _split_by_remote_indices,
             torch.Tensor.backward: _backward, torch.autograd.backward: _backward,
             torch.autograd.grad: _backward, vars(torch._C.TensorBase)["data"].__set__: _set_data}
+_SPECIAL.update(PACKED_SEQUENCE_CALLS)
 _engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
 if _engine is not None:  # torch's one Python function that runs the engine (2.11 and 2.13 have it)
     note_engine_code(_engine.__code__)
