@@ -22,6 +22,8 @@ from ..protocol import messages as m
 from ..protocol.arguments import SHIPPED_FUNCTION
 from ..protocol.codec import pack_tensor
 from .context import active_mesh_or_none
+from .generators import key_part as generator_key_part
+from .generators import send_state as send_generator_state
 from .host_reads import read_name, read_on_host
 from .issue import New, issue, issue_lean, issue_op
 from .operators import learners, note_dispatched, note_lean, use_mode
@@ -87,6 +89,8 @@ def _scan(obj, remote: list, local: list):
         return ("local", id(obj))
     if t is float or t is bool or t is complex:  # 12 == 12.0 == True, but they make other dtypes
         return (t, obj)
+    if t is torch.Generator:
+        return generator_key_part(obj)
     return obj
 
 
@@ -108,6 +112,8 @@ def dispatch(_caller, func, _types, args: tuple = (), kwargs: dict | None = None
         else:
             parts.append(_scan(x, remote, local))
     key = (func, (tuple, tuple(parts)), _scan(kwargs, remote, local) if kwargs else None)
+    if kwargs and type(kwargs.get("generator")) is torch.Generator:
+        _send_generator_state(kwargs["generator"], remote)
     if not local:
         try:
             plan = PLANS.get(key)
@@ -160,6 +166,14 @@ def dispatch(_caller, func, _types, args: tuple = (), kwargs: dict | None = None
     return _dispatch_remote(func, args, kwargs, key, remote, mesh, client)
 
 
+def _send_generator_state(generator: torch.Generator, remote: list) -> None:
+    """An op that draws from a client's generator: the workers' copy of it first takes its state where the
+    client's changed (``generators.py``)."""
+    mesh = remote[0]._mesh if remote else active_mesh_or_none()
+    if mesh is not None and mesh.client is not None:
+        send_generator_state(generator, mesh, remote[0]._stream if remote else get_active_stream())
+
+
 def _op_device(remote: list, kwargs: dict, client) -> torch.device:
     if remote:
         return remote[0].device
@@ -180,7 +194,9 @@ def _issue_plan(plan: OpPlan, remote: list, mesh, device, stream):
 def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
     device = _op_device(remote, kwargs, client)
     try:
-        out = propagate(func, args, kwargs, remote, key, device.type)
+        # a generator changes no metadata, and some of torch's meta refs refuse one (exponential_)
+        out = propagate(func, args, kwargs | {"generator": None} if kwargs.get("generator") is not None else kwargs,
+                        remote, key, device.type)
     except Exception as e:  # noqa: BLE001 - re-raised, with the user's line
         if data_dependent(e):
             return dispatch_unshaped(func, args, kwargs, remote, mesh, device, "its output shape depends on the data")

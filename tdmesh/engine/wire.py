@@ -1,7 +1,8 @@
 """How op arguments travel: remote tensors become ``Ref``s, functions become import paths.
 
 Plain containers are rebuilt only where they hold something to convert; an object with a
-``_tdmesh_wire()`` method (a mesh, a process group, an RNG state) says how it travels.
+``_tdmesh_wire()`` method (a mesh, a process group, an RNG state) says how it travels; a client's
+``torch.Generator`` travels as the key of the workers' copy of it (``generators.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch._library.custom_ops import OPDEFS
 
 from ..errors import user_line
 from ..protocol import messages as m
+from .generators import wire as generator_wire
 from .tensor import Tensor
 
 __all__ = ["to_wire", "sealed_args", "op_path"]
@@ -39,6 +41,8 @@ def to_wire(obj):
         if name is None:
             name = _device_names[obj] = m.DeviceName(str(obj))
         return name
+    if t is torch.Generator:  # the worker's own copy of it (generators.py)
+        return generator_wire(obj)
     wire = getattr(obj, "_tdmesh_wire", None)
     if wire is not None:
         return wire()

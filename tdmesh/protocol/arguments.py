@@ -1,5 +1,6 @@
 """The values that travel inside messages beside plain Python ones: a mesh, a torch mesh or a
-process group to substitute on the worker, a packed tensor, and torch globals by name.
+process group to substitute on the worker, a packed tensor, torch globals by name, and a client's
+random generator (the worker's own copy of it).
 ``tdmesh.protocol.messages`` re-exports them (``m.MeshArg``), as the messages that carry them."""
 
 from __future__ import annotations
@@ -62,3 +63,30 @@ class DeviceName(NamedTuple):
 def torch_device(name: str):
     import torch
     return torch.device(name)
+
+
+# the worker function that gives a worker's copy of a client's generator the client's state (engine/generators.py)
+SET_GENERATOR_FUNCTION = "tdmesh.worker.builtins.set_generator_state"
+
+
+class GeneratorArg(NamedTuple):
+    """A client's ``torch.Generator`` (``generator=g``): the worker's own copy of it, one per client key and
+    process, made at its first use; its draws advance it there, as the client's would have advanced."""
+    key: int
+    device: str
+
+    def __reduce__(self):
+        return worker_generator, (self.key, self.device)
+
+
+_worker_generators: dict = {}  # (key, device) -> the worker's torch.Generator
+
+
+def worker_generator(key: int, device: str):
+    """The worker's copy of the client's generator ``key`` (made on first use; the client sends its state
+    before the first op that draws from it)."""
+    found = _worker_generators.get((key, device))
+    if found is None:
+        import torch
+        found = _worker_generators[(key, device)] = torch.Generator(device=device)
+    return found

@@ -15,7 +15,15 @@ from typing import Any, NamedTuple, Optional
 from ..geometry.slice import Slice
 
 # the argument values that messages carry, as m.MeshArg
-from .arguments import DeviceName, MeshArg, PackedTensor, ProcessGroupArg, TorchGlobal, TorchMeshArg  # noqa: F401
+from .arguments import (  # noqa: F401
+    DeviceName,
+    GeneratorArg,
+    MeshArg,
+    PackedTensor,
+    ProcessGroupArg,
+    TorchGlobal,
+    TorchMeshArg,
+)
 
 
 class Ref(NamedTuple):

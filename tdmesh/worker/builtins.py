@@ -26,6 +26,13 @@ def shipped(data, device, order: tuple = ()) -> torch.Tensor:
     return (t.permute(order) if order else t).to(device)
 
 
+def set_generator_state(key: int, device: str, state: torch.Tensor) -> None:
+    """The client's generator ``key`` has this state now (first used, or reseeded by the user since):
+    this worker's copy of it takes it (``engine/generators.py``)."""
+    from ..protocol.arguments import worker_generator
+    worker_generator(key, device).set_state(state)
+
+
 def mesh_rank(mesh, dims) -> torch.Tensor:
     """This worker's coordinate along ``dims`` as an int64 scalar on its device."""
     return torch.tensor(mesh.rank(dims), dtype=torch.int64, device=mesh.device)

@@ -113,6 +113,7 @@ FIELDS = {
     m.PackedTensor: ("dtype", "shape", "data"),
     m.TorchGlobal: ("name",),
     m.DeviceName: ("name",),
+    m.GeneratorArg: ("key", "device"),
 }
 
 DEFAULTS = {
@@ -297,3 +298,16 @@ def test_torch_values_travel_by_name_and_arrive_as_themselves(value):
     assert arrived == value and type(arrived) is type(value)
     if not isinstance(value, torch.device):
         assert arrived is value  # the singleton itself
+
+
+def test_a_clients_generator_travels_as_a_key_and_arrives_as_the_processes_one_copy_of_it():
+    """``engine/generators.py``: torch hands each op a new Python object for one generator; all of them
+    travel as the same key, which arrives as one generator of this process per key (the worker's copy)."""
+    from tdmesh.engine.wire import to_wire
+    g, other = torch.Generator(), torch.Generator()
+    sent = [to_wire({"generator": g})["generator"] for _ in range(2)]
+    assert all(type(s) is m.GeneratorArg for s in sent) and sent[0] == sent[1]
+    assert to_wire([other])[0].key != sent[0].key
+    arrived = [pickle.loads(pickle.dumps(s, protocol=pickle.HIGHEST_PROTOCOL)) for s in sent]
+    assert type(arrived[0]) is torch.Generator and arrived[0] is arrived[1] and arrived[0] is not g
+    assert pickle.loads(pickle.dumps(to_wire(other))) is not arrived[0]
