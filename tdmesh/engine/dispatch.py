@@ -112,7 +112,7 @@ def dispatch(_caller, func, _types, args: tuple = (), kwargs: dict | None = None
         else:
             parts.append(_scan(x, remote, local))
     key = (func, (tuple, tuple(parts)), _scan(kwargs, remote, local) if kwargs else None)
-    if kwargs and type(kwargs.get("generator")) is torch.Generator:
+    if kwargs and not local and type(kwargs.get("generator")) is torch.Generator:  # local ones draw here
         _send_generator_state(kwargs["generator"], remote)
     if not local:
         try:

@@ -10,8 +10,11 @@ an op the client sends its generator's state to the workers where the state chan
 (first use, or the user reseeded it): right after sending, the client's own copy is reseeded at random, so
 that any reseed of the user's (``g.manual_seed(0)`` again, to repeat a draw) is seen as a change, never
 taken for the state already sent.  So on the client ``g`` does not describe the draws made on the mesh:
-read or restore a generator's state only where it draws locally.  A generator used on two meshes draws on
-each from the state it had when it first reached it.  Each rank draws the same numbers (one generator).
+read or restore a generator's state only where it draws locally, and a generator that draws both on a mesh
+and locally (a local tensor's ``normal_``, ``no_mesh``) draws locally from its client state, not where the
+mesh's draws left off: not torch's one stream, though never a repeat.  A generator used on two meshes draws
+on each independently.  Each rank draws the same numbers (one generator).  Inside a compiled function a
+generator is refused: sending its state is the client's business at each call, not a recorded op.
 """
 
 from __future__ import annotations
@@ -65,15 +68,16 @@ def wire(generator: torch.Generator) -> m.GeneratorArg:
 def send_state(generator: torch.Generator, mesh, stream) -> None:
     """Before an op on ``mesh`` that draws from ``generator``: the workers' copy takes the client's state
     where it changed since it was last sent there (or was never sent)."""
+    client = mesh.client
+    if client.sink is not client:
+        raise NotImplementedError(f"a torch.Generator passed to an op inside a tdmesh.compile'd function: a "
+                                  f"generator's state is the client's to send, not part of a recording; seed the "
+                                  f"workers' generators with torch.manual_seed under the mesh instead\n  at "
+                                  f"{user_line()}")
     entry = _entry(generator)
     state = generator.get_state()
     if entry[1] is not None and mesh in entry[2] and torch.equal(state, entry[1]):
         return
-    client = mesh.client
-    if client.sink is not client:
-        raise NotImplementedError(f"a torch.Generator passed to an op inside a tdmesh.compile'd function: each "
-                                  f"call would start its draws again from the state traced; seed the workers' "
-                                  f"generators with torch.manual_seed under the mesh instead\n  at {user_line()}")
     key, device = entry[0], generator.device.type
 
     def build(seq, results, _mutated):
