@@ -38,6 +38,20 @@ def _penalised_step(model, x, y, lam: float = 10.0):
     return loss
 
 
+def _train_then_plain_backward(model, x, y) -> list[float]:
+    """Three SGD steps of the penalised loss (their losses), then one plain loss's backward: a graph with no
+    node of a create_graph backward, which runs on the workers."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        losses.append(_penalised_step(model, x, y).item())
+        opt.step()
+    opt.zero_grad()
+    F.mse_loss(model(x).squeeze(1), y).backward()
+    return losses
+
+
 def _inputs():
     g = torch.Generator().manual_seed(1)
     return torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64)
@@ -63,27 +77,12 @@ def test_a_gradient_penalty_trains_as_local_torch_and_plain_steps_stay_on_the_wo
     local_x, local_y = _inputs()
     local = _model()
     initial = _model()  # the same values, kept for the mesh's copy
-    local_opt = torch.optim.SGD(local.parameters(), lr=0.05)
-    want_losses = []
-    for _ in range(3):
-        local_opt.zero_grad()
-        want_losses.append(_penalised_step(local, local_x, local_y).item())
-        local_opt.step()
-    local_opt.zero_grad()
-    F.mse_loss(local(local_x).squeeze(1), local_y).backward()
+    want_losses = _train_then_plain_backward(local, local_x, local_y)
     with mesh.activate():
         model = _model(initial)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        x, y = _local_and_mesh(local_x), _local_and_mesh(local_y)
-        losses = []
-        for _ in range(3):
-            opt.zero_grad()
-            losses.append(_penalised_step(model, x, y).item())
-            opt.step()
-        opt.zero_grad()
         on_workers = backward_module.COUNTS["workers"]
-        F.mse_loss(model(x).squeeze(1), y).backward()  # a graph with no node of a create_graph backward
-        assert backward_module.COUNTS["workers"] == on_workers + 1
+        losses = _train_then_plain_backward(model, _local_and_mesh(local_x), _local_and_mesh(local_y))
+        assert backward_module.COUNTS["workers"] == on_workers + 1  # the plain one, and only it
         grads = [inspect(p.grad) for p in model.parameters()]
     torch.testing.assert_close(losses, want_losses, rtol=1e-12, atol=1e-12)
     for got, p in zip(grads, local.parameters()):
