@@ -12,16 +12,17 @@ from hypothesis import strategies as st
 import tdmesh
 from tdmesh import fetch_shard, inspect
 
+_CPU = {"device": "cpu"}  # a CPU generator draws CPU tensors (torch's rule): on a CUDA mesh, the workers' CPU
 _DRAWS = {
-    "randn": lambda g, n: torch.randn(n, 2, generator=g, dtype=torch.float64),
-    "rand": lambda g, n: torch.rand(n, generator=g),
-    "randint": lambda g, n: torch.randint(0, 1000, (n,), generator=g),
-    "randperm": lambda g, n: torch.randperm(n + 3, generator=g),
-    "normal_": lambda g, n: torch.zeros(n, dtype=torch.float64).normal_(1.0, 2.0, generator=g),
-    "uniform_": lambda g, n: torch.zeros(n, 3).uniform_(-1.0, 1.0, generator=g),
-    "exponential_": lambda g, n: torch.zeros(n).exponential_(generator=g),
-    "bernoulli": lambda g, n: torch.bernoulli(torch.full((n, 4), 0.3), generator=g),
-    "multinomial": lambda g, n: torch.multinomial(torch.ones(n, 6), 3, generator=g),
+    "randn": lambda g, n: torch.randn(n, 2, generator=g, dtype=torch.float64, **_CPU),
+    "rand": lambda g, n: torch.rand(n, generator=g, **_CPU),
+    "randint": lambda g, n: torch.randint(0, 1000, (n,), generator=g, **_CPU),
+    "randperm": lambda g, n: torch.randperm(n + 3, generator=g, **_CPU),
+    "normal_": lambda g, n: torch.zeros(n, dtype=torch.float64, **_CPU).normal_(1.0, 2.0, generator=g),
+    "uniform_": lambda g, n: torch.zeros(n, 3, **_CPU).uniform_(-1.0, 1.0, generator=g),
+    "exponential_": lambda g, n: torch.zeros(n, **_CPU).exponential_(generator=g),
+    "bernoulli": lambda g, n: torch.bernoulli(torch.full((n, 4), 0.3, **_CPU), generator=g),
+    "multinomial": lambda g, n: torch.multinomial(torch.ones(n, 6, **_CPU), 3, generator=g),
 }
 
 _STEP = st.one_of(st.tuples(st.sampled_from(sorted(_DRAWS)), st.integers(1, 40), st.sampled_from([0, 1])),
@@ -55,7 +56,7 @@ def test_every_rank_draws_the_same_numbers_and_no_op_repeats_another(mesh2x2):
     want = [torch.randn(5, generator=g_local) for _ in range(3)]
     with mesh2x2.activate():
         g = torch.Generator().manual_seed(3)
-        drawn = [torch.randn(5, generator=g) for _ in range(3)]
+        drawn = [torch.randn(5, generator=g, **_CPU) for _ in range(3)]
         per_rank = [[fetch_shard(t, host=h, gpu=p).result() for h in range(2) for p in range(2)] for t in drawn]
     for w, ranks in zip(want, per_rank):
         assert all(torch.equal(r, w) for r in ranks)
@@ -67,10 +68,10 @@ def test_a_generator_inside_a_compiled_function_is_refused_at_the_users_line(mes
 
     @tdmesh.compile
     def noisy(x):
-        return x + torch.randn(3, generator=g)
+        return x + torch.randn(3, generator=g, **_CPU)
 
     with mesh1.activate():
-        x = torch.zeros(3)
+        x = torch.zeros(3, **_CPU)
         with pytest.raises(NotImplementedError, match="torch.Generator") as raised:
             noisy(x)
         assert "test_generators.py" in str(raised.value)

@@ -75,7 +75,8 @@ def test_reverse_mode_transforms_raise_torchs_error_at_the_call_under_the_worker
         with pytest.raises(RuntimeError, match="saved tensor hooks") as raised:
             calls[transform](x)
         assert any(entry.name == "<lambda>" and str(entry.path) == __file__ for entry in raised.traceback)
-        assert torch.equal(inspect(x * 2), torch.full((3,), 2.0, dtype=torch.float64))  # the mesh is still usable
+        doubled = inspect(x * 2)
+    assert torch.equal(doubled, torch.full((3,), 2.0, dtype=torch.float64))  # the mesh is still usable
 
 
 def test_per_sample_gradients_and_reverse_mode_transforms_under_the_clients_backward(mesh1, monkeypatch):
