@@ -9,6 +9,7 @@ by :mod:`tdmesh.collectives`, which sits above this module.
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from typing import Any, NoReturn
@@ -133,7 +134,34 @@ class Tensor(torch.Tensor):
         return (f"tdmesh.Tensor(shape={list(self.shape)}, dtype={self.dtype}, device={self.device}, "
                 f"mesh={self._mesh.shape}{on}, ref={self._r.id}{state})")
 
-    def __reduce_ex__(self, protocol):  # torch.save, pickle, copy.deepcopy
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy`` (a model's EMA copy, a target network, the best model so far): a new tensor on the
+        same mesh and stream holding a copy of the workers' data, as torch copies a local leaf: its strides,
+        ``requires_grad``, a deep copy of its ``.grad`` and of its Python attributes (a parameter stays one).
+        torch's own ``__deepcopy__`` copied the proxy's ``__dict__``, mesh and client locks included, and failed
+        ("cannot pickle '_thread.RLock' object")."""
+        found = memo.get(id(self))
+        if found is not None:
+            return found
+        with torch._C.DisableTorchFunction():
+            leaf, requires_grad, grad = self.grad_fn is None, self.requires_grad, self.grad
+        if not leaf:  # torch's rule, in its words
+            raise RuntimeError(f"Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                               f"protocol at the moment.\n  at {user_line()}")
+        with torch.no_grad():
+            new = self.clone(memory_format=torch.preserve_format)
+        if requires_grad:
+            new.requires_grad_()
+        if grad is not None:
+            new.grad = copy.deepcopy(grad, memo)
+        own = new.__dict__
+        for name, value in self.__dict__.items():
+            if name not in own:
+                own[name] = copy.deepcopy(value, memo)
+        memo[id(self)] = new
+        return new
+
+    def __reduce_ex__(self, protocol):  # torch.save, pickle
         raise UsageError(f"a tdmesh.Tensor cannot be pickled (torch.save, pickle): its data lives on the workers. "
                          f"{_CHECKPOINT_WAY}; for a small value, fetch it: tdmesh.fetch_shard(t).result() "
                          f"(one rank) or tdmesh.fetch_all(t)\n  at {user_line()}")
