@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..protocol.graph_digest import reachable
+
 __all__ = ["graph_nodes", "mark_new", "reaches_marked", "MARKED"]
 
 _MARK = "tdmesh: made by a backward on the client's engine"
@@ -29,14 +31,7 @@ def _grad_fns(tensors) -> list:
 
 def graph_nodes(tensors) -> set:
     """The nodes reached from ``tensors`` (a backward's roots, before it runs)."""
-    seen: set = set()
-    stack = _grad_fns(tensors)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(child for child, _ in node.next_functions if child is not None)
-    return seen
+    return set(reachable(_grad_fns(tensors))[0])
 
 
 def mark_new(before: set, results) -> None:
