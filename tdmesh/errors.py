@@ -12,6 +12,7 @@ No tdmesh imports here: the client and the workers both use this module.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 import threading
@@ -22,7 +23,8 @@ from types import FrameType
 
 __all__ = ["TdmeshError", "RemoteException", "DeviceException", "PlacementError", "UnknownDimError", "UsageError",
            "ProtocolError",
-           "ProtocolViolation", "ResolveError", "RecordingError", "call_site", "site_text", "user_line", "frames"]
+           "ProtocolViolation", "ResolveError", "RecordingError", "call_site", "forget_callers", "site_text", "user_line",
+           "frames"]
 
 
 class TdmeshError(Exception):
@@ -200,11 +202,37 @@ def call_site(skip: int = 0) -> list:
         frame = frame.f_back
     if frame is None and backward_sites and in_backward():  # autograd's device thread
         return _backward_site(None) or []
-    site: list = []
+    if frame is None:
+        return []
+    caller = frame.f_back
+    above = _above[0]
+    if above is not None and above[0] is caller and above[1] == caller.f_lasti:
+        return [(frame.f_code, frame.f_lasti), *above[2]]
+    site: list = [(frame.f_code, frame.f_lasti)]
+    frame = caller
     while frame is not None and len(site) < 6:
         site.append((frame.f_code, frame.f_lasti))
         frame = frame.f_back
+    if caller is not None and not caller.f_code.co_flags & _SUSPENDS:
+        _above[0] = (caller, caller.f_lasti, tuple(site[1:]))
     return site
+
+
+# The frames above the last site's innermost one: (that frame's caller, the caller's last instruction,
+# the site's entries from the caller outward).  While a frame runs, the frames above it are suspended
+# in their calls, so a site whose innermost frame has the same caller, at the same instruction, has
+# the same entries above it: a loop's ops, or one function's, walk one frame, not six (0.13 us each on
+# this VM).  The caller is held, so no other frame is taken for it; not a generator's or a coroutine's,
+# which can be resumed from another caller.  A caller that returned would keep its locals alive while
+# held: the client forgets it at every send (:func:`forget_callers`), before it queues the frees of
+# dead proxies, so those go out in the same send as before.
+_above: list = [None]
+_SUSPENDS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
+def forget_callers() -> None:
+    """Drop the frame :func:`call_site` holds (see ``_above``)."""
+    _above[0] = None
 
 
 def _entries(site) -> list[tuple[str, int, str]]:

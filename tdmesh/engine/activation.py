@@ -197,7 +197,8 @@ def _set_data(func, args, kwargs):
     with torch._C.DisableTorchFunction():
         func(proxy, new)
         leaf_requires_grad = proxy.requires_grad and proxy.grad_fn is None
-    proxy._r, proxy._meta, proxy._mesh, proxy._stream = new._r, new._meta, new._mesh, new._stream
+    proxy._r, proxy._meta, proxy._mesh, proxy._stream, proxy._device = new._r, new._meta, new._mesh, new._stream, \
+        new._device
     proxy._wgrad = False
     if leaf_requires_grad:
         mirror_requires_grad(proxy, True)

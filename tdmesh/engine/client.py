@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..config import ControllerParams, SupervisionParams
-from ..errors import DeviceException, UsageError, call_site, frames, site_text
+from ..errors import DeviceException, UsageError, call_site, forget_callers, frames, site_text
 from ..garbage import hold_for_client, release_for_client
 from ..protocol import messages as m
 from ..protocol.transport import Connection, encode
@@ -166,10 +166,7 @@ class Client:
         seq = self._next_seq
         self._next_seq = seq + 1
         self.history.add(seq, refs, (result,), site)
-        outbox = self.outbox
-        found = outbox.known.get(id(ranks))
-        set_id = found[1] if found is not None and found[0] is ranks else outbox.set_id(ranks)
-        outbox.append(set_id, _dumps((seq, op, (result,), (), refs, stream), _PROTOCOL))  # a bare CallOp
+        self.outbox.append_call_op(ranks, seq, op, result, refs, stream)
         self._queued(seq)
 
     def _queued(self, seq: int | None) -> None:
@@ -283,6 +280,7 @@ class Client:
         return self.outbox.pending()
 
     def flush(self) -> None:
+        forget_callers()  # the frame call_site holds: a returned one's proxies die here, their frees sent now
         with self.lock:
             if self._deletes:
                 self._queue_deletes()

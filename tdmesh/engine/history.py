@@ -41,6 +41,9 @@ class History:
     def __init__(self, ranks: Iterable[int]) -> None:
         self._order: list[tuple] = []
         self._head = 0  # entries before it are complete (dropped in bulk)
+        # the seqs of the entries that have a future, in order: completion visits these alone, not
+        # every op completed (a probe's answer completes a few hundred ops: 0.14 us each on this VM)
+        self._with_futures: list[int] = []
         self._failures: dict[int, RemoteException] = {}  # seq -> the failure it depends on, while pending
         self._values: dict[int, Any] = {}  # seq -> FetchResult (or {rank: FetchResult}), while pending
         self._frontier = {r: 0 for r in ranks}
@@ -65,6 +68,8 @@ class History:
                         failed[d] = exc
                     break
         self._order.append((seq, uses, defs, site, future))
+        if future is not None:
+            self._with_futures.append(seq)
 
     def failure_of(self, seq: int) -> RemoteException | None:
         """The failure op ``seq`` depends on (its own or an earlier one's), while it is not complete."""
@@ -124,8 +129,16 @@ class History:
         if cut == head:
             return []
         failures, values = self._failures, self._values
-        done = [Node(seq, uses, defs, site, future, failures.get(seq), values.get(seq))
-                for seq, uses, defs, site, future in order[head:cut] if future is not None]
+        done = []
+        with_futures = self._with_futures
+        if with_futures and with_futures[0] < bound:
+            ended = bisect_left(with_futures, bound)
+            at = head
+            for seq in with_futures[:ended]:
+                at = bisect_left(order, seq, at, cut, key=_seq_of)
+                _, uses, defs, site, future = order[at]
+                done.append(Node(seq, uses, defs, site, future, failures.get(seq), values.get(seq)))
+            del with_futures[:ended]
         for pending in (failures, values):
             if pending:
                 for seq in [s for s in pending if s < bound]:
@@ -182,7 +195,7 @@ class History:
         return self._order[i][3] if i is not None else None
 
     def pending_futures(self) -> list[Future]:
-        return [e[4] for e in self._order[self._head:] if e[4] is not None]
+        return [self._order[i][4] for i in map(self._index, self._with_futures) if i is not None]
 
     def __len__(self) -> int:
         return len(self._order) - self._head

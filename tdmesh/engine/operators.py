@@ -75,14 +75,6 @@ def note_lean(plan, remote: list) -> None:
         seen[-1] = (plan, remote)
 
 
-def _nothing_else_would_see_it(self, other, other_type) -> bool:
-    """Whether torch would only parse this operator call and hand it to the mesh's dispatch mode (the
-    mesh's torch-function mode popped, none left)."""
-    return not self.requires_grad and (other_type is not Tensor or not other.requires_grad) and \
-        _dispatch_modes() == 1 and _dispatch_mode_at(0) is _mesh_mode[0] and not _any_autocast() and \
-        not _functorch_active() and forward_ad._current_level < 0 and not _inference() and not _profiling()
-
-
 def _operator(name: str, mode_type: type, learnt: bool):
     base = getattr(torch.Tensor, name)
 
@@ -97,8 +89,12 @@ def _operator(name: str, mode_type: type, learnt: bool):
             t = type(other)  # the operand as dispatch's plan keys hold it (dispatch._scan)
             part = other._meta if t is Tensor else (t, other) if t is float or t is bool or t is complex else \
                 other if t is int else _NO_KEY
-            if part is _NO_KEY or not _nothing_else_would_see_it(self, other, t):  # torch, nothing learnt
-                return binary_call(base, self, other)
+            # torch would only parse the call and hand it to the mesh's dispatch mode (the mesh's
+            # torch-function mode popped, none left): inline, as every frame counts here
+            if part is _NO_KEY or self.requires_grad or (t is Tensor and other.requires_grad) or \
+                    _dispatch_modes() != 1 or _dispatch_mode_at(0) is not _mesh_mode[0] or _any_autocast() or \
+                    _functorch_active() or forward_ad._current_level >= 0 or _inference() or _profiling():
+                return binary_call(base, self, other)  # torch, nothing learnt
             key = (name, self._meta, part)
             plan = _OPERATOR_PLANS.get(key)
             if plan is not None:
@@ -106,7 +102,7 @@ def _operator(name: str, mode_type: type, learnt: bool):
                 client = mesh.client
                 if client is not None:
                     remote = [self, other] if t is Tensor else [self]
-                    device = self.device
+                    device = self._device
                     stream = get_active_stream()
                     if (plan.device_type is client.device_type or plan.device_type == device.type) and \
                             plainly_placed(remote, mesh, stream):

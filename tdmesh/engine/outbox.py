@@ -19,7 +19,7 @@ import zlib
 from ..config import env_str, usable_cores
 from ..geometry.fanout import rank_set
 from ..protocol.bulk import BulkFrame, big_buffers_into, bulk_parts
-from ..protocol.transport import ALL_RANKS, DEFINE_SET, ENTRY, buffers_entry
+from ..protocol.transport import ALL_RANKS, DEFINE_SET, ENTRY, buffers_entry, call_op_entry
 
 __all__ = ["Outbox", "flush_interval"]
 
@@ -48,7 +48,7 @@ _IDENTITY_CACHE = 4096
 
 class Outbox:
     def __init__(self, world: tuple[int, ...]) -> None:
-        self.log: list[bytes] = []   # header, pickle, header, pickle ...
+        self.log: list[bytes] = []   # header, pickle, header, pickle ... (a CallOp's entry is one item)
         self.bulk: list = []         # the big buffers the log's BUFFERS entries announce, in order
         self.bytes = 0               # queued, bulk included
         self.frames = 0              # frames sent, over every child
@@ -88,6 +88,15 @@ class Outbox:
         self.log.append(data)
         self.bytes += len(data)
 
+    def append_call_op(self, ranks, seq: int, op: int, result: int, refs: tuple, stream: int) -> None:
+        """A bare CallOp for ``ranks`` (the eager hot path's message): its entry is one pack
+        (:func:`tdmesh.protocol.transport.call_op_entry`), not a pickle and a header."""
+        found = self.known.get(id(ranks))
+        entry = call_op_entry(found[1] if found is not None and found[0] is ranks else self.set_id(ranks),
+                              seq, op, result, refs, stream)
+        self.log.append(entry)
+        self.bytes += len(entry)
+
     def append_message(self, set_id: int, msg) -> None:
         """``msg`` pickled here, its big PickleBuffers left out of the pickle (:meth:`append_with_buffers`)."""
         buffers: list = []
@@ -107,8 +116,14 @@ class Outbox:
         self.append(set_id, data)
 
     def pending(self) -> int:
-        """Messages (and rank set definitions) queued and not yet sent."""
-        return len(self.log) // 2
+        """Messages (and rank set definitions) queued and not yet sent (for tests and tools: it walks
+        the entries, as a CallOp's is one item of the log and any other two)."""
+        structure = b"".join(self.log)
+        at = count = 0
+        while at < len(structure):
+            at += ENTRY.size + ENTRY.unpack_from(structure, at)[1]
+            count += 1
+        return count
 
     def sent(self, size: int, children: int) -> None:
         self.frames += children

@@ -35,7 +35,7 @@ from .bulk import BULK_MAGIC, BulkFrame, big_buffers_into, bulk_parts, covered, 
 from .security import client_tls
 
 __all__ = ["MAGIC", "RELAY_MAGIC", "DEFAULT_MAX_FRAME", "Connection", "ProtocolError", "connect", "decode",
-           "encode", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter", "decode_hello", "decode_restricted",
+           "encode", "call_op_entry", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter", "decode_hello", "decode_restricted",
            "hello_ranks", "checksum", "FRAME_HEADER", "BUFFERS", "buffers_entry"]
 
 MAGIC = b"TDM1"
@@ -102,6 +102,49 @@ def entries(msgs: Iterable, set_id: int = ALL_RANKS, out_of_band: int | None = N
     if not bulk:
         return structure
     return BulkFrame(b"".join(bytes(p) for p in bulk_parts(structure, bulk)[0]))
+
+
+# A bare CallOp's entry, its pickle written by hand: the eager hot path queues one per op, and
+# ``pickle.dumps`` of the tuple plus the entry's header cost ~0.7 us more than one ``struct`` pack
+# (bench/README, twenty-ninth session).  The bytes are a pickle any ``pickle.loads`` reads as the
+# tuple ``(seq, op, (result,), (), refs, stream)``: PROTO 5, MARK, a BININT ('J', int32 little-endian)
+# per int, TUPLE1/2/3 for the one-tuples, EMPTY_TUPLE, TUPLE (from the mark), STOP; no memo.  A value
+# past int32 (a job past 2**31 ops) or more than 3 refs takes pickle's own encoding.
+def _call_op_struct(k: int) -> struct.Struct:
+    # after the result: TUPLE1 ) ) 'J' (no refs), or TUPLE1 ) 'J' ref ('J' ref)... TUPLEk 'J'
+    after_result = "4s" if not k else "3si" + "ci" * (k - 1) + "2s"
+    return struct.Struct("<12sicici" + after_result + "i2s")
+
+
+_CALL_OP_STRUCTS = {k: _call_op_struct(k) for k in range(4)}
+_call_op_prefixes: dict[int, bytes] = {}  # set id * 4 + refs -> entry header + PROTO + MARK + 'J'
+
+
+def call_op_entry(set_id: int, seq: int, op: int, result: int, refs: tuple, stream: int) -> bytes:
+    """The entry of a bare CallOp ``(seq, op, (result,), (), refs, stream)`` for rank set ``set_id``."""
+    k = len(refs)
+    if k < 4:
+        key = set_id * 4 + k
+        prefix = _call_op_prefixes.get(key)
+        if prefix is None:
+            prefix = _call_op_prefixes[key] = ENTRY.pack(set_id, _CALL_OP_STRUCTS[k].size - ENTRY.size) + b"\x80\x05(J"
+        try:
+            if k == 1:
+                return _PACK_1(prefix, seq, b"J", op, b"J", result, b"\x85)J", refs[0], b"\x85J", stream, b"t.")
+            if k == 2:
+                return _PACK_2(prefix, seq, b"J", op, b"J", result, b"\x85)J", refs[0], b"J", refs[1], b"\x86J", stream,
+                               b"t.")
+            if k == 3:
+                return _PACK_3(prefix, seq, b"J", op, b"J", result, b"\x85)J", refs[0], b"J", refs[1], b"J", refs[2],
+                               b"\x87J", stream, b"t.")
+            return _PACK_0(prefix, seq, b"J", op, b"J", result, b"\x85))J", stream, b"t.")
+        except struct.error:  # past int32: pickle's encoding below
+            pass
+    data = pickle.dumps((seq, op, (result,), (), refs, stream), protocol=pickle.HIGHEST_PROTOCOL)
+    return ENTRY.pack(set_id, len(data)) + data
+
+
+_PACK_0, _PACK_1, _PACK_2, _PACK_3 = (_CALL_OP_STRUCTS[k].pack for k in range(4))
 
 
 def buffers_entry(buffers: list) -> list[bytes]:

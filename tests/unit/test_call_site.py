@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
+import weakref
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -76,3 +78,92 @@ def test_a_thread_begun_in_c_with_fewer_frames_than_skipped_gets_an_empty_site()
     _thread.start_new_thread(shallow, ())
     assert done.wait(10)
     assert results == [[]], results
+
+
+# ----------------------------------------------------------------- the frames above, held between ops
+def _walked(frame) -> list:
+    """A site's entries from ``frame`` outward, walked afresh (what ``call_site`` did on every op)."""
+    site = []
+    while frame is not None and len(site) < 6:
+        site.append((frame.f_code, frame.f_lasti))
+        frame = frame.f_back
+    return site
+
+
+def _capture():
+    """An op's capture: the site, and a fresh walk of the frames above this one."""
+    return call_site(), _walked(sys._getframe(0))
+
+
+def _direct():
+    return _capture()
+
+
+def _from_a_loop(n):
+    return [_capture() for _ in range(n)]  # one caller (the comprehension's frame), the same instruction
+
+
+def _two_calls():
+    first = _capture()
+    return [first, _capture()]  # one caller, another instruction
+
+
+def _first_line():
+    return _direct()
+
+
+def _second_line():
+    return _direct()
+
+
+def _generator():
+    while True:
+        yield _capture()  # resumed from different callers: the frames above it change while it lives
+
+
+def _resume_here(gen):
+    return next(gen)
+
+
+def _resume_there(gen):
+    return next(gen)
+
+
+_STEPS = {"direct": lambda gen: [_direct()], "loop": lambda gen: _from_a_loop(3), "first": lambda gen: [_first_line()],
+          "second": lambda gen: [_second_line()], "here": lambda gen: [_resume_here(gen)],
+          "there": lambda gen: [_resume_there(gen)], "two": lambda gen: _two_calls(), "forget": lambda gen: errors.forget_callers() or []}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.sampled_from(sorted(_STEPS)), min_size=1, max_size=25))
+def test_a_site_whose_caller_is_held_is_the_site_a_fresh_walk_finds(steps):
+    """``call_site`` holds the caller of the last site's innermost frame and reuses the entries above it
+    while that caller is at the same instruction: every site must be what walking the frames finds, over
+    calls from loops, from other lines of one caller and of other functions, and from a generator resumed by different callers
+    (whose frames above change while it lives: it is never held)."""
+    gen = _generator()
+    for step in steps:
+        for site, walked in _STEPS[step](gen):
+            assert site[0][0] is walked[0][0] and site[1:] == walked[1:], (step, site_text(site))
+            assert [entry[0].co_name for entry in site[:2]] in (
+                ["_capture", "_direct"], ["_capture", "<listcomp>"], ["_capture", "_generator"],
+                ["_capture", "_two_calls"])
+
+
+def test_a_held_caller_that_returned_lets_its_locals_go_when_the_client_sends():
+    """A held caller that returned would keep its locals alive: ``forget_callers`` (the client calls it at
+    every send, before it queues the frees of dead proxies) lets them go."""
+    class Local:
+        pass
+
+    def inner():
+        return call_site()
+
+    def outer():
+        local = Local()
+        inner()  # its site's caller is this frame: held
+        return weakref.ref(local)
+
+    gone = outer()
+    errors.forget_callers()
+    assert gone() is None

@@ -442,7 +442,7 @@ _ADD = st.tuples(st.just("add"), st.integers(1, 2), st.lists(st.integers(0, 3), 
 def test_history_agrees_with_a_plain_model_through_completion_and_compaction(program):
     """Seqs with gaps, two ranks completing at their own pace, failures of pending, complete and
     unknown seqs: every pending op's site, failure and future, and the count, agree with a plain list,
-    while History drops complete entries in bulk (compacting after 2 here, as after 1,024 in use)."""
+    every complete op's future is resolved, while History drops complete entries in bulk (compacting after 2 here, as after 1,024 in use)."""
     h, model, futures, seq = History([0, 1]), Model([0, 1]), {}, -1
     h.compact_after = 2
     for step in program:
@@ -472,3 +472,5 @@ def test_history_agrees_with_a_plain_model_through_completion_and_compaction(pro
             assert (got.seq if got is not None else None) == op["failure"], (op, got)
         assert all(h.site_of(op["seq"]) is None and h.failure_of(op["seq"]) is None  # nothing kept of it
                    for op in model.ops if op not in pending)
+        assert all(futures[op["seq"]].done() for op in model.ops  # every complete op's future resolved
+                   if op not in pending and futures[op["seq"]] is not None)

@@ -65,6 +65,38 @@ def test_every_rank_reads_exactly_the_messages_of_its_rank_sets_in_order(data):
         assert got == [m.RequestStatus(i) for which, i in sent if rank in sets[which]]
 
 
+_INT = st.one_of(st.integers(0, 2**31 - 1), st.integers(2**31 - 3, 2**31 + 3), st.integers(0, 2**62))
+
+
+@given(st.data())
+@settings(max_examples=200, deadline=None)
+def test_a_call_ops_hand_written_entry_reads_as_the_tuple_pickle_makes(data):
+    """The eager hot path's CallOp entry (one struct pack, ``transport.call_op_entry``) is read by every
+    rank of its set as the bare tuple ``pickle.dumps`` would have carried, among other messages, for
+    values past int32 (pickle's own encoding then) and any number of refs; ``pending()`` counts it once."""
+    world = data.draw(st.integers(1, 12))
+    sets = [RankList(Slice.new_row_major([world])),
+            data.draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world, unique=True))]
+    outbox, sent = Outbox(tuple(range(world))), []
+    for _ in range(data.draw(st.integers(0, 20))):
+        which = data.draw(st.sampled_from([0, 1]))
+        if data.draw(st.booleans()):
+            seq, op, result, stream = (data.draw(_INT) for _ in range(4))
+            refs = tuple(data.draw(st.lists(_INT, max_size=5)))
+            outbox.append_call_op(sets[which], seq, op, result, refs, stream)
+            sent.append((which, (seq, op, (result,), (), refs, stream)))
+        else:
+            outbox.put(sets[which], pickle.dumps(m.RequestStatus(len(sent))))
+            sent.append((which, m.RequestStatus(len(sent))))
+    assert outbox.pending() == len(sent) + (1 if any(which == 1 for which, _ in sent) and
+                                            len(sets[1]) < world else 0)  # the definition of the second set
+    payload = outbox.take()
+    for rank in range(world):
+        got = RankFilter(rank).messages(payload)
+        want = [msg for which, msg in sent if rank in sets[which]]
+        assert got == want and [type(g) for g in got] == [type(w) for w in want]
+
+
 @given(st.data())
 @settings(max_examples=100, deadline=None)
 def test_every_rank_reads_its_uploads_bytes_and_skips_the_others(data):
