@@ -22,9 +22,8 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 
 __all__ = ["TdmeshError", "RemoteException", "DeviceException", "PlacementError", "UnknownDimError", "UsageError",
-           "ProtocolError",
-           "ProtocolViolation", "ResolveError", "RecordingError", "call_site", "forget_callers", "site_text", "user_line",
-           "frames"]
+           "ProtocolError", "ProtocolViolation", "ResolveError", "RecordingError", "call_site", "forget_callers",
+           "site_text", "user_line", "frames"]
 
 
 class TdmeshError(Exception):

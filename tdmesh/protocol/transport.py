@@ -35,7 +35,8 @@ from .bulk import BULK_MAGIC, BulkFrame, big_buffers_into, bulk_parts, covered, 
 from .security import client_tls
 
 __all__ = ["MAGIC", "RELAY_MAGIC", "DEFAULT_MAX_FRAME", "Connection", "ProtocolError", "connect", "decode",
-           "encode", "call_op_entry", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter", "decode_hello", "decode_restricted",
+           "encode", "call_op_entry", "ENTRY", "ALL_RANKS", "DEFINE_SET", "entries", "RankFilter", "decode_hello",
+           "decode_restricted",
            "hello_ranks", "checksum", "FRAME_HEADER", "BUFFERS", "buffers_entry"]
 
 MAGIC = b"TDM1"

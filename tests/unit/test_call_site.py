@@ -131,7 +131,8 @@ def _resume_there(gen):
 
 _STEPS = {"direct": lambda gen: [_direct()], "loop": lambda gen: _from_a_loop(3), "first": lambda gen: [_first_line()],
           "second": lambda gen: [_second_line()], "here": lambda gen: [_resume_here(gen)],
-          "there": lambda gen: [_resume_there(gen)], "two": lambda gen: _two_calls(), "forget": lambda gen: errors.forget_callers() or []}
+          "there": lambda gen: [_resume_there(gen)], "two": lambda gen: _two_calls(),
+          "forget": lambda gen: errors.forget_callers() or []}
 
 
 @settings(max_examples=150, deadline=None)
@@ -139,7 +140,8 @@ _STEPS = {"direct": lambda gen: [_direct()], "loop": lambda gen: _from_a_loop(3)
 def test_a_site_whose_caller_is_held_is_the_site_a_fresh_walk_finds(steps):
     """``call_site`` holds the caller of the last site's innermost frame and reuses the entries above it
     while that caller is at the same instruction: every site must be what walking the frames finds, over
-    calls from loops, from other lines of one caller and of other functions, and from a generator resumed by different callers
+    calls from loops, from other lines of one caller and of other functions, and from a generator resumed by
+    different callers
     (whose frames above change while it lives: it is never held)."""
     gen = _generator()
     for step in steps:

@@ -442,7 +442,8 @@ _ADD = st.tuples(st.just("add"), st.integers(1, 2), st.lists(st.integers(0, 3), 
 def test_history_agrees_with_a_plain_model_through_completion_and_compaction(program):
     """Seqs with gaps, two ranks completing at their own pace, failures of pending, complete and
     unknown seqs: every pending op's site, failure and future, and the count, agree with a plain list,
-    every complete op's future is resolved, while History drops complete entries in bulk (compacting after 2 here, as after 1,024 in use)."""
+    every complete op's future is resolved, while History drops complete entries in bulk (compacting after
+    2 here, as after 1,024 in use)."""
     h, model, futures, seq = History([0, 1]), Model([0, 1]), {}, -1
     h.compact_after = 2
     for step in program:
