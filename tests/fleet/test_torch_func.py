@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from tdmesh import inspect
+from tdmesh.config import cpu_forced
+from tdmesh.errors import PlacementError
 
 
 def _module(seed: int) -> torch.nn.Module:
@@ -79,6 +81,9 @@ def test_reverse_mode_transforms_raise_torchs_error_at_the_call_under_the_worker
     assert torch.equal(doubled, torch.full((3,), 2.0, dtype=torch.float64))  # the mesh is still usable
 
 
+@pytest.mark.xfail(torch.cuda.is_available() and not cpu_forced(), strict=True, raises=PlacementError,
+                   reason="on a CUDA mesh the 0 of torch's nll_loss_backward decomposition becomes a tensor on the "
+                          "client's GPU, which tdmesh refuses as a local tensor (docs/training.md)")
 def test_per_sample_gradients_and_reverse_mode_transforms_under_the_clients_backward(mesh1, monkeypatch):
     local_module = _module(3)
     local_x, local_y = _inputs(4)
