@@ -238,7 +238,7 @@ def test_learnt_operators_under_torch_func_transforms_give_local_torchs_values(m
     """``torch.func.vmap`` and ``torch.func.jvp`` over proxies, with every operator of the function already
     learnt: local torch's values.  Under a transform an operator on a proxy the transform did not wrap (one
     the function closes over) goes through torch's dispatcher, not its learnt plan: a transform is torch's
-    to see (``_functorch_active`` in ``operators._nothing_else_would_see_it``)."""
+    to see (``_functorch_active`` among the checks of ``operators._operator``)."""
     local_x = torch.arange(12.0, dtype=torch.float64).reshape(3, 4)
     local_w = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
 
