@@ -12,11 +12,11 @@ client makes the proxies of the new gradients (as ``AccumulateGrad`` would) and 
 graph saved; ``torch.autograd.grad`` of leaves likewise returns the new proxies.  Anything else
 (custom ``autograd.Function``s, hooks, ``retain_grad``, ``create_graph``, ``inputs=``, a
 pipeline's meshes, checkpointing, anomaly mode, a graph that reaches nodes a ``create_graph`` backward
-made: ``client_graphs.py``) runs on the client's engine as before, and the workers drop their copy of
-the graph.  Hooks registered
-on autograd nodes themselves (``grad_fn.register_hook``) cannot be seen: code that uses them
-sets ``TDMESH_BACKWARD=client``.  The workers check that their graph has the client's shape
-before running it (``tdmesh.protocol.graph_digest``).
+made: ``client_graphs.py``; sparse gradients: ``Embedding(sparse=True)``) runs on the client's engine
+as before, and the workers drop their copy of the graph.  Hooks registered on autograd nodes
+themselves (``grad_fn.register_hook``) cannot be seen: code that uses them sets
+``TDMESH_BACKWARD=client``.  The workers check that their graph has the client's shape before running
+it (``tdmesh.protocol.graph_digest``).
 """
 
 from __future__ import annotations
@@ -154,6 +154,9 @@ def _plan(roots: list, grad_roots: list):
                 leaves.append(leaf)
                 continue
             seq = node._sequence_nr()
+            if _makes_sparse_gradient(kind, node):
+                return _client(f"{kind.__name__} makes a sparse gradient (sparse=True), whose size only the "
+                               f"values decide: the client cannot describe it before the workers run it")
             if seq in _hooked or isinstance(node, torch.autograd.function.BackwardCFunction):
                 return _client(f"{kind.__name__} is a custom autograd.Function's or has hooks (or retain_grad)")
             entry = saved_by_node.get(seq)
@@ -164,6 +167,19 @@ def _plan(roots: list, grad_roots: list):
             return _client("a node was made on another mesh or stream, while a compiled function was traced, or under "
                            "the user's saved-tensor hooks (checkpoint)")
     return mesh, stream, seqs, leaves, digest(nodes, edges), order
+
+
+def _makes_sparse_gradient(kind: type, node) -> bool:
+    """An embedding's or embedding bag's node with ``sparse=True``, or a gather's with ``sparse_grad=True``:
+    its input's gradient is sparse, with as many values as the indices pick.  Which node kinds can is
+    looked up once a kind."""
+    flag = _SPARSE_FLAG.get(kind)
+    if flag is None:
+        flag = _SPARSE_FLAG[kind] = next((a for a in ("_saved_sparse", "_saved_sparse_grad") if hasattr(kind, a)), "")
+    return bool(flag) and bool(getattr(node, flag))
+
+
+_SPARSE_FLAG: dict[type, str] = {}  # node kind -> the attribute saying its gradient is sparse, or ""
 
 
 def _recorded_here(seqs: list[int], mesh, stream) -> bool:
@@ -268,10 +284,7 @@ def _grad(run_on_client, func, args: tuple, kwargs: dict):
             plan = None
     if plan is None:
         COUNTS["client"] += 1
-        before = client_graphs.graph_nodes(roots) if create_graph else None
-        out = run_on_client(func, args, kwargs)
-        if before is not None:
-            client_graphs.mark_new(before, out)
+        out = client_graphs.run_marking(lambda: run_on_client(func, args, kwargs), roots, create_graph, lambda o: o)
         if roots and type(roots[0]) is Tensor and not retain_graph:
             _drop_on_workers(roots)
         return out
@@ -366,11 +379,7 @@ def backward(run_on_client, func, args: tuple, kwargs: dict):
         COUNTS["workers"] += 1
         return None
     COUNTS["client"] += 1
-    before = client_graphs.graph_nodes(roots) if create_graph else None
-    out = run_on_client(func, args, kwargs)
-    if before is not None:  # the new gradients are the leaves' .grad
-        with torch._C.DisableTorchFunction():
-            client_graphs.mark_new(before, [n.variable.grad for n in before if type(n) is _ACCUMULATE])  # type: ignore[union-attr]
+    out = client_graphs.run_marking(lambda: run_on_client(func, args, kwargs), roots, create_graph, None)
     if REDUCING[0] and roots:
         _reduce_after_client(roots)
     if roots and type(roots[0]) is Tensor and not retain_graph:

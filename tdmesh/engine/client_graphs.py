@@ -18,7 +18,7 @@ import torch
 
 from ..protocol.graph_digest import reachable
 
-__all__ = ["graph_nodes", "mark_new", "reaches_marked", "MARKED"]
+__all__ = ["graph_nodes", "mark_new", "run_marking", "reaches_marked", "MARKED"]
 
 _MARK = "tdmesh: made by a backward on the client's engine"
 MARKED = [0]  # nodes marked so far (none: a backward's graph is not looked at)
@@ -51,3 +51,18 @@ def mark_new(before: set, results) -> None:
 def reaches_marked(nodes) -> bool:
     """Whether any of ``nodes`` (a backward's graph) was made by a backward on the client's engine."""
     return any(_MARK in node.metadata for node in nodes)
+
+
+def run_marking(run, roots, create_graph: bool, new_gradients):
+    """``run()``, a backward on the client's engine over ``roots``; with ``create_graph``, the nodes it made
+    are marked.  ``new_gradients(out)`` gives its new gradients from its result (``torch.autograd.grad``);
+    None: they are the ``.grad`` of the graph's leaves (``backward``)."""
+    before = graph_nodes(roots) if create_graph else None
+    out = run()
+    if before is not None:
+        if new_gradients is not None:
+            mark_new(before, new_gradients(out))
+        else:
+            with torch._C.DisableTorchFunction():
+                mark_new(before, [n.variable.grad for n in before if hasattr(n, "variable")])
+    return out
