@@ -179,11 +179,13 @@ def _backward_site(thread: int | None) -> list | None:
     return None
 
 
-def call_site(skip: int = 0) -> list:
+def call_site(skip: int = 0, hold: bool = False) -> list:
     """The user's innermost frames, as (code object, last instruction) pairs: cheap enough
     for every op (the line numbers are worked out only when an error names the site).
     ``skip``: how many frames above the caller are tdmesh's for sure (``sys._getframe``
-    passes over them without making frame objects, which walking ``f_back`` does)."""
+    passes over them without making frame objects, which walking ``f_back`` does).  ``hold``:
+    keep the innermost frame's caller for the next site (``_above``): only where a message
+    is queued with the site, so that a send follows and lets the caller go."""
     try:
         frame: FrameType | None = sys._getframe(1 + skip)
     except ValueError:  # fewer frames than ``skip`` says: a thread begun in C (autograd's device thread)
@@ -212,7 +214,7 @@ def call_site(skip: int = 0) -> list:
     while frame is not None and len(site) < 6:
         site.append((frame.f_code, frame.f_lasti))
         frame = frame.f_back
-    if caller is not None and not caller.f_code.co_flags & _SUSPENDS:
+    if hold and caller is not None and not caller.f_code.co_flags & _SUSPENDS:
         _above[0] = (caller, caller.f_lasti, tuple(site[1:]))
     return site
 
@@ -224,7 +226,8 @@ def call_site(skip: int = 0) -> list:
 # this VM).  The caller is held, so no other frame is taken for it; not a generator's or a coroutine's,
 # which can be resumed from another caller.  A caller that returned would keep its locals alive while
 # held: the client forgets it at every send (:func:`forget_callers`), before it queues the frees of
-# dead proxies, so those go out in the same send as before.
+# dead proxies, so those go out in the same send as before; only the sites of queued messages hold
+# one (``hold``), so a send always follows (an error message's ``user_line`` holds none).
 _above: list = [None]
 _SUSPENDS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
 

@@ -148,7 +148,7 @@ class Client:
             if deletes_first and self._deletes:
                 self._queue_deletes()
             if seq is not None:
-                self.history.add(seq, uses, defs, site if site is not None else call_site(), future)
+                self.history.add(seq, uses, defs, site if site is not None else call_site(hold=True), future)
             outbox = self.outbox
             found = outbox.known.get(id(ranks))  # Outbox.set_id's first lookup, inlined: once per op
             set_id = found[1] if found is not None and found[0] is ranks else outbox.set_id(ranks)

@@ -129,7 +129,7 @@ def issue_op(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> li
         msg = _tuple_new(CallOp, (seq, op, tuple(results), mutated_refs, tuple(refs), stream.id))
         # the site from here: issue_op <- _issue_plan <- dispatch (or _dispatch_remote, then dispatch) are
         # tdmesh's frames on every path (dispatch is the mode's or Tensor's __torch_dispatch__)
-        client.sink.submit(mesh.rank_list, msg, seq, refs, defs, None, remote, False, made, call_site(3))
+        client.sink.submit(mesh.rank_list, msg, seq, refs, defs, None, remote, False, made, call_site(3, True))
     return proxies
 
 
@@ -153,7 +153,7 @@ def issue_lean(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> 
         n = len(remote)  # one or two inputs, most often: no list comprehension's frame (0.15 us)
         refs = (remote[0]._r.id, remote[1]._r.id) if n == 2 else (remote[0]._r.id,) if n == 1 else \
             tuple([t._r.id for t in remote])
-        client.queue_op(mesh.rank_list, op, ref, refs, stream.id, call_site(2))
+        client.queue_op(mesh.rank_list, op, ref, refs, stream.id, call_site(2, True))
     return proxy
 
 
@@ -178,7 +178,7 @@ def issue_call(mesh, recording: int, inputs: Sequence[Tensor], outputs: Sequence
         msg = _tuple_new(CallRecording, (seq, recording, tuple(actuals), tuple(refs) + kept if kept else tuple(refs)))
         actuals.extend(captures)
         client.sink.submit(ranks, msg, seq, actuals, refs + defs + list(kept) if kept else refs + defs, None, inputs,
-                           False, made, call_site(2))
+                           False, made, call_site(2, True))
     return made
 
 

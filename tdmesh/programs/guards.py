@@ -266,4 +266,4 @@ def _call(mesh, seg: Segment, env: dict, groups: dict) -> None:
         seq = client.new_seq()
         msg = m.CallRecording(seq, recording, tuple(actuals), tuple(refs) + seg.kept)
         client.sink.submit(seg.ranks, msg, seq, actuals + seg.captures, refs + list(seg.kept) + written, None,
-                           inputs, False, made, call_site(3))
+                           inputs, False, made, call_site(3, True))

@@ -92,7 +92,7 @@ def _walked(frame) -> list:
 
 def _capture():
     """An op's capture: the site, and a fresh walk of the frames above this one."""
-    return call_site(), _walked(sys._getframe(0))
+    return call_site(hold=True), _walked(sys._getframe(0))
 
 
 def _direct():
@@ -158,14 +158,15 @@ def test_a_held_caller_that_returned_lets_its_locals_go_when_the_client_sends():
     class Local:
         pass
 
-    def inner():
-        return call_site()
+    def inner(hold):
+        return call_site(hold=hold)
 
-    def outer():
+    def outer(hold):
         local = Local()
-        inner()  # its site's caller is this frame: held
+        inner(hold)  # its site's caller is this frame: held where the site is a queued message's
         return weakref.ref(local)
 
-    gone = outer()
+    gone = outer(True)
     errors.forget_callers()
     assert gone() is None
+    assert outer(False)() is None  # a site that queues nothing (an error's user_line) holds no caller
