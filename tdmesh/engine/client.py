@@ -1,11 +1,11 @@
 """The client: owns the connections to one fleet, sends batches, and pumps replies.
 
-This runs in the user's process (torchrun's rank 0 spawns it).  Ops arrive from :func:`tdmesh.engine.issue.issue`
-at ``sink.submit``: the client is the sink, except while a compiled function is traced.  Each op is recorded
-in the dataflow history, pickled once and appended once to the outbox (:mod:`tdmesh.engine.outbox`), which goes
-out whole to every child (a worker, or a host's relay) when it grows, when a value is awaited, or shortly after
-the user stops issuing ops.  A reader thread turns frames into inbox messages; the user's thread applies them
-(one handler per worker->client message) when it waits (``pump``), so the history needs no lock.
+In the user's process (torchrun's rank 0 spawns it), ops arrive from :func:`tdmesh.engine.issue.issue` at
+``sink.submit`` (the client is the sink, except while a compiled function is traced), are recorded in the dataflow
+history and appended once to the outbox (:mod:`tdmesh.engine.outbox`), which goes out whole to every child (a
+worker, or a host's relay) when it grows, when a value is awaited, or shortly after the user stops issuing ops.
+A reader thread turns frames into inbox messages, applied (a handler per message) under the lock by a waiting
+thread (``pump``) or a probe's drain.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ _BARE = (m.CallOp, m.CallRecording)
 # within milliseconds (256 KiB held ~6,500 back: slower than plain dispatch), ~100x fewer frames than ops.
 _COALESCED_BATCH_BYTES = 16 * 1024
 _PROBE_RECHECK = 16  # ops between two looks at whether the last probe was answered, once one is due
+_LOOK_AGAIN = 0.05  # s between a waiting pump's looks at until(): another thread may apply what it awaits
 _dumps, _PROTOCOL = pickle.dumps, pickle.HIGHEST_PROTOCOL  # transport.encode, without the call: once per op
 _monotonic = time.monotonic
 
@@ -139,9 +140,8 @@ class Client:
     def submit(self, ranks, msg, seq: int | None = None, uses=(), defs=(), future: Future | None = None,
                inputs=(), deletes_first: bool = False, outputs=(), site=None) -> None:
         """The sink's one method: record op ``seq`` (if any) in the history and queue ``msg`` for ``ranks``.
-        Frees of dead proxies are batched into one DeleteRefs per flush (ref ids are never reused, so a late
-        free is safe); ``deletes_first`` sends them first.  ``inputs`` and ``outputs`` (the proxies the op read
-        and made) matter to a recorder only; ``site`` is the user's call site where the caller has it."""
+        Frees of dead proxies go in one DeleteRefs per flush (refs are never reused), first with ``deletes_first``;
+        ``inputs``/``outputs`` (proxies read, made) matter to a recorder only; ``site``: the caller's call site."""
         with self.lock:
             if self.failure is not None or self.closed:
                 self.check_usable()
@@ -170,9 +170,8 @@ class Client:
         self._queued(seq)
 
     def _queued(self, seq: int | None) -> None:
-        """After a message is queued (the caller holds the lock): wake an idle flusher, probe progress every so
-        many ops once the last probe is answered (an answer wakes the reader, which takes the GIL from this
-        thread), send when enough is queued or the interval has passed (the flusher's rule: flusher.py)."""
+        """After a message is queued (the caller holds the lock): wake an idle flusher, probe progress every so many
+        ops once the last probe is answered, send when enough is queued or the interval passed (flusher.py)."""
         if self._flusher_idle:
             self._wake_flusher()
         if seq is not None:
@@ -313,10 +312,13 @@ class Client:
         self.flush()
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = remaining if until is None else _LOOK_AGAIN if remaining is None else min(_LOOK_AGAIN, remaining)
             try:
-                rank, msg = self.inbox.get(timeout=remaining) if remaining != 0 else self.inbox.get_nowait()
-            except queue.Empty:
-                return
+                rank, msg = self.inbox.get(timeout=wait) if wait != 0 else self.inbox.get_nowait()
+            except queue.Empty:  # with until: a probe's drain on another thread may have applied what this awaits,
+                if until is None or until() or wait == remaining:  # and a relay sends no Status that is not new
+                    return
+                continue
             with self.lock:
                 self._apply(rank, msg)
             if until is not None and until():

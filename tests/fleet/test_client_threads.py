@@ -86,3 +86,29 @@ def test_the_flusher_sends_only_what_an_issuing_thread_left_when_it_went_quiet()
         assert all(q >= client.flush_interval for q in quiet_for), (quiet_for, client.flush_interval)
         total = inspect(x)
         assert total[0] == total[1] > 0
+
+
+def test_a_wait_returns_when_another_thread_applied_what_it_awaits(mesh2x2):
+    """A thread about to wait on a fetch while another thread's probe drains the inbox (the supervisor's,
+    when the client has been quiet) and applies the fetch's replies: nothing more comes (a host's relay
+    passes on no Status that is not new), so a wait that looked at what it awaits only after a reply hung
+    for good (CI, twenty-ninth session).  The state is made here: the replies arrive, another thread
+    applies them, then the wait begins with the inbox empty; it must return at once, not block."""
+    client = mesh2x2.client
+    with mesh2x2.activate():
+        future = tdmesh.fetch_shard(torch.ones(3) * 2, host=1, gpu=1)
+        client.flush()
+        deadline = time.monotonic() + 30
+        while not client.supervisor.answered(client.last_seq) and time.monotonic() < deadline:
+            time.sleep(0.01)  # every rank's Status has reached the reader (and so the inbox)
+        time.sleep(0.2)  # the fetch's value too
+        with client.lock:
+            client._drain_inbox()  # another thread's drain (the supervisor's probe: lock, drain) applied the replies
+        assert future.done() and client.inbox.empty()
+        waited: list = []
+        waiter = threading.Thread(target=lambda: waited.append(client.pump(None, until=future._finished) or True),
+                                  daemon=True)
+        waiter.start()
+        waiter.join(10)
+        assert waited == [True], "the wait did not return though what it awaits was applied"
+        assert torch.equal(future.result(), torch.full((3,), 2.0))
