@@ -42,7 +42,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", type=int, default=30000, help="ops a round")
     p.add_argument("--rounds", type=int, default=7)
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, ops=300, rounds=1)
     os.environ.setdefault("TDMESH_DEVICE", "cpu")
     h.ensure_importable_by_workers()
     import torch

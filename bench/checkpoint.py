@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from bench import helpers as h
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tutorials"))
 
@@ -165,7 +167,8 @@ def main(argv=None) -> None:
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--dir", default=None, help="where the files go (default: a temporary directory)")
     p.add_argument("--quick", action="store_true")
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, quick=True)
+    h.require_cuda("checkpoint", args.device)
     if args.quick:
         args.mib, args.repeats, args.steps, args.every = 16, 1, 6, 3
     if args.device == "cpu":

@@ -32,6 +32,7 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import helpers as h  # noqa: E402
 from bench.helpers import train_optimizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +96,8 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=5000, help="adds per run of the dispatch loop")
     p.add_argument("--steps", type=int, default=10, help="training steps per run")
     p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, iters=200, steps=1, repeats=1)
+    h.require_cuda("client_profile", args.device)
     if args.device == "cpu":
         os.environ["TDMESH_DEVICE"] = "cpu"
     sys.path.insert(0, os.path.join(ROOT, "tutorials"))

@@ -20,6 +20,7 @@ import warnings
 import torch
 
 import tdmesh
+from bench import helpers as h
 
 ROWS = [("gpt2", "fused_adamw"), ("resnet", "sgd_momentum"), ("llama", "sgd_nesterov_foreach"),
         ("gpt2", "adamw_foreach")]
@@ -142,7 +143,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--steps", type=int, default=6)
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, steps=2)
+    h.require_cuda("compile_models", args.device)
     if args.device == "cpu":
         os.environ["TDMESH_DEVICE"] = "cpu"
     print(f"HF models, {args.steps} steps from step 0, 1 {args.device} worker vs local torch, "

@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from bench import helpers as h
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETUP_STEPS = 3
 sys.path.insert(0, os.path.join(ROOT, "tutorials"))
@@ -110,7 +112,8 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--workers", default="1,2", help="comma-separated worker counts (default 1,2)")
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, workers="1", batch_size=2)
+    h.require_cuda("compile_time", args.device)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.device == "cpu":
         os.environ["TDMESH_DEVICE"] = "cpu"

@@ -8,6 +8,7 @@ same loop dispatched op by op from the client.  tdmesh does not replay recording
 yet; this measures the head-room.
 """
 
+import argparse
 import os
 import sys
 import time
@@ -18,15 +19,17 @@ if __package__ in (None, ""):
 from bench import helpers as h  # noqa: E402
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.cuda_graph", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=10_000, help="dependent adds (default 10000)")
+    args = h.parse(p, argv, iters=200)
+    h.require_cuda("cuda_graph")
     h.ensure_importable_by_workers()
     import torch
 
     import tdmesh
-    if not torch.cuda.is_available():
-        print("bench.cuda_graph needs CUDA", file=sys.stderr)
-        return 2
-    n, shape = 10_000, (100, 100)
+    n, shape = args.iters, (100, 100)
     with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh, mesh.activate():
         probe = tdmesh.remote("bench.helpers.graph_vs_eager",
                               propagate=lambda n, s: torch.empty(2, dtype=torch.float64))

@@ -47,7 +47,7 @@ def _parse(argv):
     p.add_argument("--viewer", choices=("browser", "python"), default=None,
                    help="what refreshes the page (default: browser where Chromium is installed, else python)")
     p.add_argument("--settle", type=float, default=2.0, help="seconds a viewer gets to load before timing")
-    return p.parse_args(argv)
+    return h.parse(p, argv, iters=300, rounds=1, viewer="python", settle=0.2)
 
 
 class PythonViewer:

@@ -52,7 +52,7 @@ def _parse(argv):
     p.add_argument("--tls", action="store_true", help="only the cost of TLS: (2), (6), (7) plain, then in TLS")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (default; forces CPU workers even where CUDA exists) or cuda")
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, quick=True, repeats=1, fetches=20)
     if args.iters is None:
         args.iters = 500 if args.quick else 10_000
     if args.fetches is None:

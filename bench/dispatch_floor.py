@@ -105,7 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="tiny", help="the GPT of the step table (tutorials/nanogpt.py's sizes)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: the step under autocast")
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, iters=300, repeats=1, steps=1)
+    h.require_cuda("dispatch_floor", args.device)
     if args.device == "cpu":
         os.environ["TDMESH_DEVICE"] = "cpu"
     h.ensure_importable_by_workers()

@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--hold", type=float, default=0.0,
                    help="seconds the worker's stream is held for `workers alone` (default: 3x the client's issue time)")
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, steps=2, rounds=1)
+    h.require_cuda("eager_bound", args.device)
     if args.device == "cpu":
         os.environ["TDMESH_DEVICE"] = "cpu"
     h.ensure_importable_by_workers()

@@ -43,7 +43,7 @@ def _parse(argv):
     p.add_argument("--workers", default="1,2", help="fleet sizes, comma-separated (2 and more: through a relay)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--quick", action="store_true")
-    return p.parse_args(argv)
+    return h.parse(p, argv, quick=True, repeats=1, workers="1")
 
 
 _SIZE = struct.Struct("!Q")

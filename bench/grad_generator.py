@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from bench import helpers as h
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tutorials"))
 
@@ -41,7 +43,7 @@ def _median_backward(model, x, y, kind: str, rounds: int, sync=None) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=21)
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, rounds=1)
     os.environ.setdefault("TDMESH_DEVICE", "cpu")
     import torch
 

@@ -3,13 +3,14 @@
 
     python3 -m bench.graph_profile
 
-Per variant (each twice, alternating): ms per step over 30 replays (batches made before the
+Per variant (each twice, alternating): ms per step over 30 replays (``--steps``) (batches made before the
 timer), then 5 replays under ``tdmesh.profile``: rank 0's event categories per step, the GPU
 kernels' span and busy time, and the host ops that took longest.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import os
@@ -17,6 +18,8 @@ import runpy
 import sys
 import tempfile
 import time
+
+from bench import helpers as h
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tutorials"))
@@ -46,7 +49,13 @@ def summarise(trace_path: str) -> None:
         print(f"    {cat:13s} {name:60s} {n / PROFILED:7.1f}/step {dur / PROFILED / 1e3:8.3f} ms/step")
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.graph_profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=("tiny", "small", "gpt2"), default="small")
+    p.add_argument("--steps", type=int, default=30, help="timed replays per variant")
+    args = h.parse(p, argv, size="tiny", steps=2)
+    h.require_cuda("graph_profile")
     import torch
 
     import tdmesh
@@ -54,7 +63,8 @@ def main() -> None:
 
     from nanogpt import GPT, sized
     train = runpy.run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
-    cfg, tokens = sized("small")
+    cfg, tokens = sized(args.size)
+    warm, timed = 5, args.steps
     batch = tdmesh.remote(train["seeded_batch"], propagate=lambda d, b, t, r, s: (
         torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
     with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh, mesh.activate():
@@ -65,19 +75,19 @@ def main() -> None:
             model = GPT(cfg)
             opt = train_optimizer(model.parameters(), True)
             fn = tdmesh.compile(data_parallel_step(model, opt, mesh, set_to_none=not keep), cuda_graph=True)
-            xs = [batch(data, 8, cfg.block_size, rank, i) for i in range(35 + PROFILED)]
-            for x, y in xs[:5]:
+            xs = [batch(data, 8, cfg.block_size, rank, i) for i in range(warm + timed + PROFILED)]
+            for x, y in xs[:warm]:
                 loss = fn(x, y)
             tdmesh.fetch_shard(loss).result()
             start = time.perf_counter()
-            for x, y in xs[5:35]:
+            for x, y in xs[warm:warm + timed]:
                 loss = fn(x, y)
             tdmesh.fetch_shard(loss).result()
-            per_step = (time.perf_counter() - start) / 30
+            per_step = (time.perf_counter() - start) / timed
             print(f"zero_grad(set_to_none={not keep}): {per_step * 1e3:.3f} ms/step, mode {fn.mode}, "
                   f"{len(fn.last.kept_refs)} state refs", flush=True)
             with tdmesh.profile(tempfile.mkdtemp()) as traces:
-                for x, y in xs[35:]:
+                for x, y in xs[warm + timed:]:
                     loss = fn(x, y)
                 tdmesh.fetch_shard(loss).result()
             summarise(os.path.join(traces, "rank0.trace.json"))

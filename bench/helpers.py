@@ -24,6 +24,36 @@ FRAME_MAGIC = b"TDM1"
 FRAME_HEADER = struct.Struct("!4sQI")
 
 
+# ---------------------------------------------------------------------------- the smoke tier
+# Every bench takes --smoke: the same code path as a real run, with few iterations at small sizes, so
+# that CI runs it in seconds (tests/bench/test_smoke.py lists bench/*.py: a new bench cannot be left
+# out).  A bench that needs a GPU exits with NO_CUDA and says so where there is none.
+SMOKE_HELP = "CI smoke: the same code path, a few iterations at small sizes (seconds on 2 cores)"
+NO_CUDA = 3
+
+
+def parse(parser, argv=None, **smoke):
+    """``parser``'s arguments, with ``--smoke`` added: when given, each of ``smoke``'s arguments
+    takes its small value (what a flag such as ``--quick`` already means is passed as ``quick=True``)."""
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        for name, value in smoke.items():
+            if not hasattr(args, name):
+                raise AssertionError(f"--smoke sets {name!r}, which {parser.prog} does not take")
+            setattr(args, name, value)
+    return args
+
+
+def require_cuda(name: str, device: str = "cuda") -> None:
+    """Leave with NO_CUDA and a one-line reason when ``device`` is CUDA and this host has none."""
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"bench.{name} needs a CUDA device (torch.cuda.is_available() is False on this host): "
+              f"run it where there is a GPU", file=sys.stderr)
+        sys.exit(NO_CUDA)
+
+
 # ---------------------------------------------------------------------------- the kernel
 def run_loop_local(n: int, shape, device: str | None = None):
     """Monarch's ``dispatch_bench_helper.run_loop_local``: ``n`` dependent adds.

@@ -27,6 +27,7 @@ from collections import Counter
 import torch
 
 import tdmesh
+from bench import helpers as h
 from bench.compile_models import run_steps
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
@@ -178,7 +179,7 @@ def main(argv=None) -> None:
     p.add_argument("--timeout", type=int, default=240, help="seconds a row may take on the mesh")
     p.add_argument("--channels-last", action="store_true",
                    help="image models and batches channels-last (model.to(memory_format=...)), as convnets train")
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, kind=["causal"], model=["gpt2"], steps=1)
     os.environ["TDMESH_DEVICE"] = "cpu"
     import transformers
     from transformers.models.auto import modeling_auto

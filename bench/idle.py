@@ -14,6 +14,8 @@ import argparse
 import os
 import time
 
+from bench import helpers as h
+
 
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU of process ``pid`` so far (``/proc/<pid>/stat``)."""
@@ -29,11 +31,11 @@ def share(pids: list[int], seconds: float) -> list[float]:
     return [100 * (process_cpu_seconds(p) - b) / seconds for p, b in zip(pids, before)]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--seconds", type=float, default=20.0)
-    args = p.parse_args()
+    args = h.parse(p, argv, seconds=0.5, workers=1)
     import torch
 
     import tdmesh
@@ -42,7 +44,7 @@ def main() -> None:
     with tdmesh.local_mesh(hosts=1, gpus_per_host=args.workers) as mesh:
         with mesh.activate():
             tdmesh.fetch_shard(torch.ones(3) + 1).result()  # the fleet has worked once, then idles
-        workers = [h.pid for h in mesh.client.hellos.values()]
+        workers = [hello.pid for hello in mesh.client.hellos.values()]
         client, *each = share([me, *workers], args.seconds)
     print(f"\nidle for {args.seconds:.0f} s, 1x{args.workers} {mesh.device_type} mesh, torch {torch.__version__}")
     print(f"  this process before the mesh : {baseline:6.2f}% of a core")

@@ -38,7 +38,7 @@ def _parse(argv):
     p.add_argument("--max-bytes", type=int, default=None, help="largest size (default 16 MiB cpu, 1 GiB cuda)")
     p.add_argument("--seconds", type=float, default=0.2, help="target length of each raw loop")
     p.add_argument("--quick", action="store_true")
-    return p.parse_args(argv)
+    return h.parse(p, argv, quick=True)
 
 
 def _fmt_bytes(n: int) -> str:

@@ -16,6 +16,8 @@ import statistics
 import sys
 import time
 
+from bench import helpers as h
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tutorials"))
 
@@ -25,13 +27,12 @@ def main(argv=None) -> None:
     p.add_argument("--size", choices=("tiny", "small", "gpt2"), default="small")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--rounds", type=int, default=7)
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, size="tiny", iters=5, rounds=1)
 
     import torch
 
     from nanogpt import GPT, sized
-    if not torch.cuda.is_available():
-        sys.exit("bench.result_copies needs a CUDA device")
+    h.require_cuda("result_copies")
     cfg, _ = sized(args.size)
     with torch.device("cuda"):
         outs = [p.detach().clone() for p in GPT(cfg).parameters()] + [torch.zeros(())]

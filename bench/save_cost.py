@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from bench import helpers as h
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tutorials"))
 
@@ -120,7 +122,8 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--size", choices=("tiny", "small"), default="tiny")
     p.add_argument("--saves", type=int, default=6)
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, saves=2)
+    h.require_cuda("save_cost", args.device)
     if args.device == "cpu":
         os.environ["TDMESH_DEVICE"] = "cpu"
     os.environ.setdefault("OMP_NUM_THREADS", "1")

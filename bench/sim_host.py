@@ -12,6 +12,7 @@ relay) and the job token from stdin.  ``--direct``: no relay; the sink (one rank
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import socket
@@ -33,6 +34,25 @@ from tdmesh.protocol.transport import ALL_RANKS, DEFINE_SET, ENTRY, MAGIC, RELAY
 _NONE = pickle.dumps(None)
 
 
+class _Protocol(pickle.Unpickler):
+    """Reads a message only if it is built of the protocol's own records (what the sink answers);
+    anything else (a DefineOp's dtypes and devices, a CallFunction's torch values) is left unread: unpickling
+    those imported torch into every simulated host (220 MB each: 256 hosts did not fit in 24 GiB)."""
+
+    def find_class(self, module: str, name: str):
+        if module in (m.__name__, "tdmesh.geometry.slice") or (module, name) == ("builtins", "range"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name}: not a protocol record")
+
+
+def _load(body):
+    """The message of an entry's ``body``, or None when the sink has nothing to do with it."""
+    try:
+        return _Protocol(io.BytesIO(body)).load()
+    except pickle.UnpicklingError:
+        return None
+
+
 def sink(conn, host: int, first: int, end: int, token: str, direct: bool) -> None:
     ranks = range(first, end)
     hellos = tuple(m.Hello(r, b"", "", socket.gethostname(), os.getpid(), "cpu", None) for r in ranks)
@@ -49,7 +69,7 @@ def sink(conn, host: int, first: int, end: int, token: str, direct: bool) -> Non
             send(m.Heartbeat(first))
 
     members: dict[int, range | list[int]] = {ALL_RANKS: ranks}
-    unpack, size, loads = ENTRY.unpack_from, ENTRY.size, pickle.loads
+    unpack, size, loads = ENTRY.unpack_from, ENTRY.size, _load
     try:
         while True:
             frame = conn.recv_frame((MAGIC, RELAY_MAGIC))

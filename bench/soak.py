@@ -45,7 +45,7 @@ def _parse(argv):
     p.add_argument("--samples", type=int, default=10, help="RSS samples during the loop (default 10)")
     p.add_argument("--max-growth", type=float, default=64.0,
                    help="MiB either process may grow from start to end before the run counts as a leak")
-    return p.parse_args(argv)
+    return h.parse(p, argv, ops=3000, live=200, warmup=500, samples=2)
 
 
 def rss_mib(pid: int) -> float:

@@ -100,7 +100,7 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=3, help="cold runs (fresh interpreters) of each system")
     parser.add_argument("--warm", type=int, default=3, help="warm meshes after each cold one")
     parser.add_argument("--monarch", default="", help="a Python with torchmonarch installed, for a side-by-side")
-    args = parser.parse_args(argv)
+    args = h.parse(parser, argv, runs=1, warm=1)
     h.ensure_importable_by_workers()
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     print(h.machine_line())

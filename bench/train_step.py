@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from bench import helpers as h
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETUP_STEPS = 3  # untimed first steps (allocation; for a compiled step: eager, eager, trace)
 sys.path.insert(0, os.path.join(ROOT, "tutorials"))
@@ -67,7 +69,8 @@ def main(argv=None) -> None:
     p.add_argument("--paired", type=int, default=0,
                    help="also N rounds of DDP (a torchrun run) then tdmesh eager, one after the other, and the median "
                         "of each round's ratio: the host's speed drifts between runs, a round's two halves share it")
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, steps=2)
+    h.require_cuda("train_step", args.device)
     args.block = args.block or args.steps
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if args.device == "cpu":

@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     p.add_argument("--messages", type=int, default=10_000, help="small messages per throughput run (default 10000)")
     p.add_argument("--mib", type=int, default=None, help="1 MiB payloads per throughput run (default 200; 20 quick)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per throughput test, after a warm-up (default 5)")
-    args = p.parse_args(argv)
+    args = h.parse(p, argv, quick=True, round_trips=50, messages=500, mib=2, repeats=1)
     if args.round_trips is None:
         args.round_trips = 300 if args.quick else 5000
     if args.mib is None:

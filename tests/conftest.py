@@ -16,10 +16,10 @@ from tdmesh.config import cpu_forced, env_str
 # order is by test count, which put the one-test differential and OpInfo files
 # last, where one process ran them alone for minutes), so these start first and the many short files
 # fill in beside them: the longest-first rule keeps the two processes' ends within a short file.
-LONG_FILES = ("test_compile_differential.py", "test_supervision.py", "test_tutorials.py", "test_checkpoint.py",
-              "test_debugging.py", "test_torchrun.py", "test_pool.py", "test_docs.py", "test_security_fleet.py",
-              "test_attach.py", "test_opinfo.py", "test_fuzz_fleet.py", "test_launch.py", "test_dashboard.py",
-              "test_relays.py", "test_engine.py", "test_programs.py")
+LONG_FILES = ("test_compile_differential.py", "test_smoke.py", "test_supervision.py", "test_tutorials.py",
+              "test_checkpoint.py", "test_debugging.py", "test_torchrun.py", "test_pool.py", "test_docs.py",
+              "test_security_fleet.py", "test_attach.py", "test_opinfo.py", "test_fuzz_fleet.py", "test_launch.py",
+              "test_dashboard.py", "test_relays.py", "test_engine.py", "test_programs.py")
 
 
 def pytest_runtest_setup(item):
@@ -32,7 +32,7 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config, items):
-    """Each test's tier is its folder (``-m unit``, ``-m fleet``, ``-m gpu`` select one);
+    """Each test's tier is its folder (``-m unit``, ``-m fleet``, ``-m gpu``, ``-m bench`` select one);
     GPU tests are skipped without CUDA; the long files come first (``LONG_FILES``)."""
     def order(item) -> int:
         name = os.path.basename(str(item.path))
@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         tier = os.path.basename(os.path.dirname(str(item.path)))
-        if tier in ("unit", "fleet", "gpu"):
+        if tier in ("unit", "fleet", "gpu", "bench"):
             item.add_marker(getattr(pytest.mark, tier))
         elif tier == "tdmesh":  # the doctests of tdmesh/geometry/slice.py and tdmesh/geometry/shape.py
             item.add_marker(pytest.mark.unit)
