@@ -26,6 +26,7 @@ row its median round: the VM's speed drifts), timing wall clock and the issuing 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -52,9 +53,13 @@ def main(argv=None) -> int:
     import tdmesh.engine.flusher as flusher_module
 
     sleep_scale = [1.0]
+    flusher_time = flusher_module.time
     flusher_module.time = types.SimpleNamespace(sleep=lambda s: time.sleep(s * sleep_scale[0]))  # type: ignore
     n = args.ops
-    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, pool=False) as mesh, mesh.activate():
+    with contextlib.ExitStack() as undo:
+        undo.callback(setattr, flusher_module, "time", flusher_time)  # bench's smoke tier: one process for all
+        mesh = undo.enter_context(tdmesh.local_mesh(hosts=1, gpus_per_host=1, pool=False))
+        undo.enter_context(mesh.activate())
         client = mesh.client
         supervisor = client.supervisor
         answered = supervisor.answered

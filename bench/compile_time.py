@@ -54,7 +54,7 @@ def baseline(args, cfg, tokens) -> float:
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     opt = train_optimizer(model.parameters(), device == "cuda")
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, backend="inductor" if args.backend == "inductor" else "aot_eager")
     data = torch.tensor(tokens)
     start = time.perf_counter()
     for i in range(SETUP_STEPS):
@@ -90,7 +90,7 @@ def tdmesh_compile(args, cfg, tokens, workers: int) -> tuple[list[float], str]:
         tdmesh.random.set_manual_seed_remote(0)
         model = GPT(cfg)
         opt = train_optimizer(model.parameters(), mesh.device_type == "cuda")
-        step = tdmesh.compile(data_parallel_step(model, opt, mesh, args.dtype == "bf16"), backend="inductor",
+        step = tdmesh.compile(data_parallel_step(model, opt, mesh, args.dtype == "bf16"), backend=args.backend,
                               cuda_graph=False)
 
         calls = []
@@ -112,7 +112,10 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--workers", default="1,2", help="comma-separated worker counts (default 1,2)")
-    args = h.parse(p, argv, workers="1", batch_size=2)
+    p.add_argument("--backend", choices=("inductor", "program"), default="inductor",
+                   help="program: tdmesh's own (torch.compile's baseline then aot_eager): the bench's code end to "
+                        "end without inductor's C++ compile (~40 s on 2 cores), as its smoke run takes it")
+    args = h.parse(p, argv, workers="1", batch_size=2, backend="program")
     h.require_cuda("compile_time", args.device)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.device == "cpu":
@@ -126,13 +129,14 @@ def main(argv=None) -> None:
     rows = [(w, *tdmesh_compile(args, cfg, tokens, w)) for w in (int(s) for s in args.workers.split(","))]
     print(f"\ncompile time, {args.size} GPT, {args.dtype}, {args.device}, batch {args.batch_size}, "
           f"first {SETUP_STEPS} steps from an empty cache, torch {torch.__version__}")
-    print(f"  torch.compile(model), this process : {base_s:8.2f} s")
+    baseline_backend = "" if args.backend == "inductor" else " (aot_eager)"
+    print(f"  torch.compile(model), this process : {base_s:8.2f} s{baseline_backend}")
     one = None
     for workers, calls, table in rows:
         total = sum(calls)
         one = total if one is None else one
         per_call = ", ".join(f"{c:.2f}" for c in calls)
-        print(f"  tdmesh inductor, {workers} worker(s)      : {total:8.2f} s  (calls {per_call} s)  "
+        print(f"  tdmesh {args.backend:8s}, {workers} worker(s)     : {total:8.2f} s  (calls {per_call} s)  "
               f"/torch.compile {total / base_s:.2f}x" + (f"  /1 worker {total / one:.2f}x" if workers != 1 else ""))
         print("    rank 0 dynamo phases: " + " ".join(table.split()) if table else "")
 
