@@ -7,6 +7,7 @@
 
 from . import (
     checkpoint,  # tdmesh.checkpoint.save / async_save / load
+    interop,  # noqa: F401 - torch's ecosystem around the loop, adapted at the first activation of a mesh
     pool,  # noqa: F401 - tdmesh.pool.clear()
     random,
 )

@@ -74,11 +74,13 @@ class PlacementError(TdmeshError, TypeError):
 
     ``code`` names the rule: ``LOCAL_TENSOR`` (a local tensor mixed with the mesh),
     ``WRONG_MESH``, ``WRONG_STREAM``, ``DROPPED``, ``BORROWED`` (mutably borrowed elsewhere),
-    ``MUTATING_BORROW`` (a write to a read-only borrow) or ``REQUIRES_GRAD`` (an op autograd
-    cannot follow).  The message starts with the code and ends with the user's line.
+    ``MUTATING_BORROW`` (a write to a read-only borrow), ``REQUIRES_GRAD`` (an op autograd
+    cannot follow) or ``INDEXED_COPY`` (a write into ``x[per-rank scalar]``, a copy where torch's
+    is a view).  The message starts with the code and ends with the user's line.
     """
 
-    CODES = ("LOCAL_TENSOR", "WRONG_MESH", "WRONG_STREAM", "DROPPED", "BORROWED", "MUTATING_BORROW", "REQUIRES_GRAD")
+    CODES = ("LOCAL_TENSOR", "WRONG_MESH", "WRONG_STREAM", "DROPPED", "BORROWED", "MUTATING_BORROW", "REQUIRES_GRAD",
+             "INDEXED_COPY")
 
     def __init__(self, code: str, message: str) -> None:
         if code not in self.CODES:

@@ -68,24 +68,33 @@ def _default_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def describe_failures(processes, log_files: dict, dead: set[int] | None = None) -> str | None:
-    """What the launcher knows of dead workers: rank, pid, exit code or signal, log file;
-    their ranks are added to ``dead`` (what the dashboard shows dead, read without a poll: each
-    poll of torch elastic's processes logs their failure again)."""
+def describe_failures(processes, log_files: dict, dead: list[int] | None = None) -> str | None:
+    """What the launcher knows of dead workers: rank, pid, exit code or signal, log file; the cause
+    first, then the workers the launcher stopped because of it.  Their ranks are added to ``dead``, the
+    cause first (what the dashboard shows dead, read without a poll: each poll of torch elastic's
+    processes logs their failure again)."""
     result = processes.wait(timeout=0)
     if result is None:
         return None
     if not result.is_failed():
         return "every worker exited"
-    if dead is not None:
-        dead.update(result.failures)
-    parts = []
-    # the first failure is the cause; the launcher's own SIGTERMs to the survivors come later
-    for rank, f in sorted(result.failures.items(), key=lambda item: (item[1].timestamp, item[0])):
+    # The cause first: torch elastic stamps failures in whole seconds, so the SIGTERMs it sends the survivors
+    # once one worker died tie with that death, and rank 0's came first in rank order.
+    stopped = -signal.SIGTERM
+    order = sorted(result.failures.items(), key=lambda item: (item[1].exitcode == stopped, item[1].timestamp, item[0]))
+    causes = [(r, f) for r, f in order if f.exitcode != stopped] or order[:1]
+    parts, then = [], []
+    for rank, f in order:
         how = f"killed by signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
         log = f", log {log_files[rank]}" if log_files.get(rank) else ""
-        parts.append(f"worker rank {rank} (host {socket.gethostname()}, pid {f.pid}{log}) died: {how}")
-    return "; ".join(parts)
+        who = f"worker rank {rank} (host {socket.gethostname()}, pid {f.pid}{log})"
+        if (rank, f) in causes:
+            parts.append(f"{who} died: {how}")
+        else:
+            then.append(f"{who} was stopped by the launcher (SIGTERM)")
+    if dead is not None:
+        dead.extend(r for r, _ in order if r not in dead)  # the causes first
+    return "; ".join(parts) + (f"\nthen: {'; '.join(then)}" if then else "")
 
 
 def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, logging: LoggingLocation,
@@ -169,7 +178,7 @@ def _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervisio
     print(f"tdmesh: {world} {'GPU' if cuda else 'CPU'} workers {how}; worker logs: {log_dir or 'this terminal'}",
           file=sys.stderr, flush=True)
 
-    dead: set[int] = set()
+    dead: list[int] = []
 
     def failed() -> str | None:
         return describe_failures(processes, log_files, dead)

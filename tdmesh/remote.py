@@ -144,17 +144,24 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict, mesh=None):
     outputs = [None if leaf is None else New(tensor_meta(leaf), source.aliases if source is not None else None)
                for leaf, source in out_leaves]
     sealed = sealed_args(args, kwargs)
+    expect = tuple(None if o is None else _expected(o.meta) for o in outputs)  # checked by the workers
 
     grad = torch.is_grad_enabled()  # the function runs in the caller's grad mode
 
     def build(seq, results, mutated_refs):
-        return m.CallFunction(seq, results, mutated_refs, fn._target, sealed, {}, stream.id, groups, grad)
+        return m.CallFunction(seq, results, mutated_refs, fn._target, sealed, {}, stream.id, groups, grad, expect)
 
     proxies = issue(mesh, build, inputs=remote_args, outputs=outputs, mutated=mutated, device=mesh.client.device,
                     stream=stream, uses=objects)
     if spec is None:
         return None
     return tree_unflatten(proxies, spec)
+
+
+def _expected(meta) -> tuple:
+    """What a worker checks a result against: (shape, dtype, layout), as names."""
+    layout = getattr(meta, "layout", torch.strided)
+    return tuple(meta.size), str(meta.dtype).split(".")[1], str(layout).split(".")[1]
 
 
 def _propagate_cached(fn: Remote, args, kwargs, flat, mesh):

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import (
 )
 
 from .. import errors
-from ..errors import UsageError, backward_sites, call_site, note_engine_code, user_line
+from ..errors import UsageError, backward_sites, call_site, note_engine_code, user_line, warn_at_user_line
 from . import saved
 from .autograd_context import note_context
 from .backward import backward, mirror_requires_grad
@@ -35,10 +35,12 @@ from .dispatch import MESH_MODE, ship_local
 from .operators import install as install_operators
 from .optimizers import set_aside_for_torchs_optimizers
 from .packed_sequences import SPECIAL as PACKED_SEQUENCE_CALLS
+from .propagation import keep_dynamo_out
+from .rank_index import SPECIAL as RANK_INDEXING
 from .tensor import Tensor
 from .unshaped import host_values
 
-__all__ = ["Activation", "MeshFunctions", "no_mesh", "deactivate"]
+__all__ = ["Activation", "MeshFunctions", "no_mesh", "deactivate", "plain_torch", "AT_FIRST_ACTIVATION"]
 
 # The client's own default device, as it was before a CUDA mesh made factories default to
 # "cuda": under no_mesh, local tensors go back there.
@@ -62,7 +64,7 @@ class Activation:
                 self._device_token = _client_device.set(default_device())
             self._device_ctx = MeshFunctions(mesh.device_type)
         elif _client_device.get() is not None:  # no_mesh inside a CUDA mesh
-            self._device_ctx = DeviceContext(_client_device.get())
+            self._device_ctx = _ClientDevice(_client_device.get())
         if self._device_ctx is not None:
             self._device_ctx.__enter__()
         _patch_once()
@@ -150,8 +152,12 @@ def _ship(func, args, kwargs):
     """``torch.tensor(local)`` under a mesh: a copy of ``local`` on every rank of the mesh."""
     data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
     mesh = active_mesh_or_none()
+    if type(data) is Tensor and func is torch.tensor:  # a copy on its own mesh, as torch copies a tensor
+        warn_at_user_line(_COPY_CONSTRUCT)  # torch's own warning, at the user's line (it named this file)
+        out = data.detach().clone() if kwargs.get("dtype") is None else data.detach().to(kwargs["dtype"], copy=True)
+        return out.requires_grad_() if kwargs.get("requires_grad") else out
     if mesh is None or not isinstance(data, torch.Tensor) or type(data) is Tensor:
-        return NotImplemented  # Python data lifts through the dispatcher; remote data copies there
+        return NotImplemented  # Python data lifts through the dispatcher; as_tensor of remote data is itself
     dtype = kwargs.get("dtype")
     local = data.detach()
     if dtype is not None:
@@ -160,6 +166,10 @@ def _ship(func, args, kwargs):
     if kwargs.get("requires_grad"):
         out.requires_grad_()
     return out
+
+
+_COPY_CONSTRUCT = ("To copy construct from a tensor, it is recommended to use sourceTensor.detach().clone() or "
+                   "sourceTensor.detach().clone().requires_grad_(True), rather than torch.tensor(sourceTensor).")
 
 
 def _split_by_remote_indices(func, args, kwargs):
@@ -216,6 +226,7 @@ _SPECIAL = {torch.tensor: _ship, torch.as_tensor: _ship, torch.asarray: _ship,
             torch.Tensor.backward: _backward, torch.autograd.backward: _backward,
             torch.autograd.grad: _backward, vars(torch._C.TensorBase)["data"].__set__: _set_data}
 _SPECIAL.update(PACKED_SEQUENCE_CALLS)
+_SPECIAL.update(RANK_INDEXING)
 _engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
 if _engine is not None:  # torch's one Python function that runs the engine (2.11 and 2.13 have it)
     note_engine_code(_engine.__code__)
@@ -241,6 +252,9 @@ def _patch_once() -> None:
         if _torch_load is None and torch.load is not _load_locally:
             _torch_load, torch.load = torch.load, _load_locally
             set_aside_for_torchs_optimizers(MeshFunctions)
+            keep_dynamo_out()  # local_mesh did at its start; a mesh got another way (attach) does here
+            for install in AT_FIRST_ACTIVATION:  # what the layers above adapt of torch's ecosystem (tdmesh.interop)
+                install()
 
 
 def _set_aside() -> tuple[bool, bool]:
@@ -251,6 +265,63 @@ def _set_aside() -> tuple[bool, bool]:
     if mode_aside:
         _pop_mode()
     return mode_aside, saved.set_aside()
+
+
+class plain_torch:
+    """Torch as if no mesh had ever been activated on this thread, for code around the model that must run at
+    plain torch's speed and never touch a mesh: a DataLoader's iteration (``tdmesh.interop.data``).  Unlike
+    ``no_mesh``, which keeps the mesh's torch-function mode below its own on CPU meshes (a Python call per torch
+    call), it takes every one of tdmesh's modes off this thread's stacks, its saved-tensor hooks and the active
+    mesh, and puts them back in place after; modes of the user's stay as they were.  Processes forked meanwhile
+    (a DataLoader's workers) start with none of them."""
+
+    __slots__ = ("_functions", "_dispatch", "_hooks", "_token")
+
+    def __enter__(self):
+        self._functions = _strip(_FUNCTION_MODES, lambda mode: isinstance(mode, (MeshFunctions, _ClientDevice)))
+        self._dispatch = _strip(_DISPATCH_MODES, lambda mode: mode is MESH_MODE)
+        self._hooks = saved.set_aside()
+        self._token = active_mesh.set(None)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        active_mesh.reset(self._token)
+        if self._hooks:
+            saved.bring_back()
+        _put_back(_DISPATCH_MODES, self._dispatch)
+        _put_back(_FUNCTION_MODES, self._functions)
+
+
+# (the stack as a list, pop its top, push on it): torch's torch-function and dispatch mode stacks of this thread
+_FUNCTION_MODES = (_get_current_function_mode_stack, torch._C._pop_torch_function_stack,
+                   torch._C._push_on_torch_function_stack)
+_DISPATCH_MODES = (_get_current_dispatch_mode_stack, _pop_mode, _push_mode)
+
+
+def _strip(modes, ours) -> list | None:
+    """Take the modes ``ours`` picks off a mode stack, the others back in order; the stack as it was (to put
+    back), or None where none of them was ours."""
+    stack, pop, push = modes[0](), modes[1], modes[2]
+    if not any(ours(mode) for mode in stack):
+        return None
+    for _ in stack:
+        pop()
+    for mode in stack:
+        if not ours(mode):
+            push(mode)
+    return stack
+
+
+def _put_back(modes, stack: list | None) -> None:
+    if stack is not None:
+        for _ in modes[0]():
+            modes[1]()
+        for mode in stack:
+            modes[2](mode)
+
+
+class _ClientDevice(DeviceContext):
+    """``no_mesh`` inside a CUDA mesh: local factories get the client's own device back."""
 
 
 class _NoMesh:
@@ -267,6 +338,7 @@ class _NoMesh:
 
 no_mesh = _NoMesh()
 _torch_load: Callable | None = None  # torch's own, once the first activation wrapped it
+AT_FIRST_ACTIVATION: list[Callable[[], None]] = []  # run once, by the first activation of the process
 
 
 def _load_locally(*args, **kwargs):

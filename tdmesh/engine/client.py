@@ -23,12 +23,13 @@ import torch
 
 from ..config import ControllerParams, SupervisionParams
 from ..errors import DeviceException, UsageError, call_site, forget_callers, frames, site_text
-from ..garbage import hold_for_client, release_for_client
+from ..garbage import release_for_client
 from ..protocol import messages as m
 from ..protocol.transport import Connection, encode
 from . import coalescing
 from .debugging import Debugger
 from .flusher import flush_loop
+from .forks import client_started
 from .future import Future
 from .history import History
 from .observation import Observations
@@ -63,7 +64,7 @@ class Client:
         self.conns = conns
         self.hellos = hellos
         self.relays = relays or {}
-        self.info = FleetInfo(hellos, log_dir, process_failure, self.relays, failed_ranks)
+        self.info = FleetInfo(hellos, log_dir, process_failure, self.relays, failed_ranks, self.site_of)
         self.ranks = sorted(hellos)
         self.children = sorted(conns)
         device = hellos[self.ranks[0]].device
@@ -111,7 +112,7 @@ class Client:
             conns[key].send_control(m.RelayConfig(*self.supervision))
         self.send_setup(m.Supervise(self.supervision.heartbeat_interval))
         self.flush()
-        hold_for_client()  # fewer full garbage collections while this mesh is live (tdmesh/garbage.py)
+        client_started(self)  # fewer full collections while it is live; closed in a forked child (forks.py)
 
     def new_ref(self) -> int:
         """Refs only grow: a ref >= ``next_ref`` now is one made from now on (see recording.py)."""

@@ -11,6 +11,7 @@ or a factory under an active mesh, gets its output metadata from :mod:`tdmesh.en
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 from torch.utils._mode_utils import no_dispatch
@@ -166,6 +167,23 @@ def dispatch(_caller, func, _types, args: tuple = (), kwargs: dict | None = None
     return _dispatch_remote(func, args, kwargs, key, remote, mesh, client)
 
 
+_compile_noted = [False]
+
+
+def _dynamo_callback():
+    """Dynamo's frame hook, set while a ``torch.compile``'d function runs (None elsewhere)."""
+    hook = getattr(torch._C, "_dynamo", None)
+    return None if hook is None else hook.eval_frame.get_eval_frame_callback()
+
+
+def _note_torch_compile() -> None:
+    """Said once, at the first op planned inside a ``torch.compile``'d function: it runs eagerly."""
+    _compile_noted[0] = True
+    warnings.warn(f"torch.compile runs code on a mesh eagerly, op by op: dynamo cannot trace tdmesh's mesh tensors "
+                  f"(tdmesh keeps it out of its own frames). tdmesh.compile(fn) compiles it, for the workers to run "
+                  f"as one program\n  at {user_line()}", stacklevel=2)
+
+
 def _send_generator_state(generator: torch.Generator, remote: list) -> None:
     """An op that draws from a client's generator: the workers' copy of it first takes its state where the
     client's changed (``generators.py``)."""
@@ -192,6 +210,8 @@ def _issue_plan(plan: OpPlan, remote: list, mesh, device, stream):
 
 
 def _dispatch_remote(func, args, kwargs, key, remote, mesh, client):
+    if not _compile_noted[0] and _dynamo_callback() is not None:
+        _note_torch_compile()
     device = _op_device(remote, kwargs, client)
     try:
         # a generator changes no metadata, and some of torch's meta refs refuse one (exponential_)

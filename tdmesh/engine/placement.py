@@ -57,6 +57,10 @@ def plainly_placed(remote: Sequence[Tensor], mesh, stream: Stream) -> bool:
 def check_mutation(t: Tensor, what) -> None:
     """``t`` is about to be written: it must not be lent read-only, nor be a read-only borrow."""
     aliases = t._r.aliases
+    if aliases.copied_at is not None:
+        raise_in_op("INDEXED_COPY", f"tensor {t._r.id} would be written by {what}, and it is x[i] of a per-rank "
+                                    f"scalar i (made at {aliases.copied_at}): each rank's row is a copy, where local "
+                                    f"torch's x[int] is a view of x; write into x itself: x[i] = value")
     if aliases.read_borrows:
         raise_in_op("MUTATING_BORROW", f"tensor {t._r.id} would be mutated by {what} while it is borrowed "
                                        f"read-only; drop the borrow first")

@@ -197,6 +197,28 @@ def warm_up() -> None:
     first op.  ``local_mesh`` calls this while its workers boot."""
     with torch._C.DisableTorchFunction():
         torch.ones(2, device=_META).add(1).sum()
+    keep_dynamo_out()
+
+
+_kept_out: list[bool] = [False]
+
+
+def keep_dynamo_out() -> None:
+    """Dynamo never traces tdmesh's own code: its files are in dynamo's skip list, so their frames run as
+    plain Python.  ``torch.compile`` of a function on mesh tensors runs it under dynamo's frame hook; dynamo
+    skipped the user's frame (a dispatch mode is present) but compiled the frames it called, tdmesh's
+    ``dispatch`` among them, and baked in the answer of the plan cache for the first op it saw: a compiled
+    ``(x @ w1.t()) @ w2.t()`` got a proxy of the first matmul's shape while the worker computed the second's
+    (a silent desync).  With tdmesh skipped, such a function runs its ops as tdmesh issues them eagerly."""
+    if _kept_out[0]:
+        return
+    try:
+        import torch._dynamo.trace_rules as rules
+        rules.add("tdmesh")
+    except Exception:  # noqa: BLE001 - a torch without this rule table: said once, and dispatch warns
+        logging.getLogger("tdmesh").warning("tdmesh could not add itself to dynamo's skip list: torch.compile "
+                                            "of code on a mesh may compile tdmesh's own frames; use tdmesh.compile")
+    _kept_out[0] = True
 
 
 def _on_meta(value, leaf_metas: dict, device: torch.device = _META):

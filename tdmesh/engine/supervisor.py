@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from ..config import ControllerParams, SupervisionParams
 from ..errors import DeviceException
+from ..protocol import lastop
 
 log = logging.getLogger("tdmesh")
 
@@ -41,12 +42,14 @@ class FleetInfo:
     and (for local_mesh) the launcher's account of a dead process."""
 
     def __init__(self, hellos: dict, log_dir: str | None, process_failure: Callable[[], str | None] | None,
-                 relays: dict | None = None, failed_ranks: Callable[[], tuple[int, ...]] | None = None) -> None:
+                 relays: dict | None = None, failed_ranks: Callable[[], tuple[int, ...]] | None = None,
+                 site_of: Callable[[int], str] | None = None) -> None:
         self.hellos = hellos
         self.log_dir = log_dir
         self.process_failure = process_failure
-        self.failed_ranks = failed_ranks  # the launcher's: ranks whose processes it saw fail
+        self.failed_ranks = failed_ranks  # the launcher's: ranks whose processes it saw fail, the cause first
         self.relays = relays or {}  # child key -> (host index, ranks behind that relay)
+        self.site_of = site_of  # the user's line of an op not yet complete
 
     def describe(self, rank: int) -> str:
         hello = self.hellos.get(rank)
@@ -86,10 +89,23 @@ class FleetInfo:
             return f"{_span(ranks)} (behind the relay of host {host}, in worker rank {key} {self.describe(key)})"
         return f"{key} {self.describe(key)}"
 
+    def died(self, why: str) -> DeviceException:
+        """Worker processes died, by the launcher's account (``why``: the cause, then what followed from it):
+        the cause first, then the op the dead worker was running and the user's line that issued it
+        (``protocol/lastop.py``), then the consequences."""
+        cause, _, then = why.partition("\n")
+        lines = [cause]
+        dead = self.failed_ranks() if self.failed_ranks is not None else ()
+        hello = self.hellos.get(dead[0]) if dead else None
+        seq = lastop.read(hello.pid) if hello is not None else None
+        if seq is not None and self.site_of is not None:
+            lines.append(f"it was running op {seq}, issued at {self.site_of(seq)}")
+        return DeviceException("\n".join(lines + ([then] if then else []) + [self.where_logs()]))
+
     def lost(self, key: int, why: str, ranks: tuple = ()) -> DeviceException:
         """``key``'s connection closed (a worker, or a relay), or a relay lost ``ranks``."""
         if why.startswith("worker rank"):  # the launcher's account names the rank, host and pid itself
-            return DeviceException(f"{why}\n{self.where_logs()}")
+            return self.died(why)
         if len(ranks) > 1:
             who = f"worker ranks {_span(ranks)} (behind the relay of worker rank {key} {self.describe(key)})"
         else:
@@ -171,7 +187,7 @@ class Supervisor:
         if self.process_failure is not None:
             why = self.process_failure()
             if why:
-                return client.fail_from_supervisor(DeviceException(f"{why}\n{client.info.where_logs()}"))
+                return client.fail_from_supervisor(client.info.died(why))
         now = time.monotonic()
         timeout = self.supervision.heartbeat_timeout
         silent = [(rank, seen) for rank, seen in self.last_seen.items()

@@ -11,8 +11,35 @@ import pickle
 
 from .messages import PackedTensor
 
-__all__ = ["pack_tensor", "unpack_tensor", "describe_tensor", "with_source", "load_callable", "pickle_value",
-           "unpickle_value"]
+__all__ = ["plain_tensor", "UnheldTensor", "pack_tensor", "unpack_tensor", "describe_tensor", "with_source",
+           "load_callable", "pickle_value", "unpickle_value"]
+
+
+class UnheldTensor(TypeError):
+    """A tensor subclass a worker can neither hold as a mesh tensor's value nor send: it names the way out."""
+
+
+def plain_tensor(t, what: str = "the value"):
+    """``t`` as the tensor a worker holds or sends: a functional collective's result waited for, a DTensor's
+    local shard (``to_local()``: the value this rank holds, as a mesh tensor is each rank's own value; a
+    remote function returns ``t.full_tensor()`` for the whole), a subclass that owns its memory (a
+    ``Parameter``, a user's subclass) as it is.  A wrapper subclass of any other kind owns no memory, and
+    packing ``data_ptr()`` of one crashed the worker (SIGSEGV): it is refused, naming the type."""
+    import torch
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    for _ in range(8):  # a DTensor's local shard may itself be a collective's pending result
+        if type(t) is torch.Tensor or not isinstance(t, torch.Tensor) or not is_traceable_wrapper_subclass(t):
+            return t
+        kind = type(t).__name__
+        if kind == "AsyncCollectiveTensor":
+            t = t.trigger_wait()
+        elif kind == "DTensor":
+            t = t.to_local()
+        else:
+            raise UnheldTensor(f"{what} is a {type(t).__module__}.{kind}, a tensor subclass that owns no memory "
+                               f"of its own: tdmesh holds and sends plain tensors; return a plain tensor from the "
+                               f"remote function (for example the subclass's inner tensor)")
+    return t
 
 
 def pack_tensor(t):

@@ -44,6 +44,8 @@ class CallFunction(NamedTuple):
     stream: int = 0
     process_groups: tuple[ProcessGroupArg, ...] = ()  # created, in order, before it runs
     grad: bool = True         # the client's grad mode: the worker records autograd as the client does
+    expect: tuple = ()        # a remote function's: (shape, dtype, layout names) per result (None: none) as its
+    # propagation described them; a result that differs is the function's error, not a silent desync
 
 
 class Slot(NamedTuple):

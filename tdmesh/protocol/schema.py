@@ -78,6 +78,11 @@ def _is_factory(value) -> bool:  # (shape, dtype name)
     return type(value) is tuple and len(value) == 2 and _is_ints(value[0]) and _is_text(value[1])
 
 
+def _is_expected(value) -> bool:  # (shape, dtype name, layout name)
+    return type(value) is tuple and len(value) == 3 and _is_ints(value[0]) and _is_text(value[1]) and \
+        _is_text(value[2])
+
+
 INT = Kind("an int", _is_int)
 OPT_INT = Kind("an int or None", _is_opt_int)
 POSITIVE = Kind("a positive number", lambda v: type(v) in (int, float) and v > 0)
@@ -105,6 +110,8 @@ FACTORIES = Kind(f"a tuple of at most {MAX_ITEMS} (shape, dtype) pairs",
 PROCESS_GROUPS = Kind(f"a tuple of at most {MAX_ITEMS} ProcessGroupArgs",
                       lambda v: type(v) is tuple and _sized(v) and all(type(x) is m.ProcessGroupArg for x in v))
 ANY = Kind("anything", lambda v: True)
+EXPECTED = Kind(f"a tuple of at most {MAX_ITEMS} (shape, dtype, layout) triples or Nones",
+                lambda v: type(v) is tuple and _sized(v) and all(x is None or _is_expected(x) for x in v))
 NONCE = Kind("bytes of at most 64", lambda v: type(v) is bytes and len(v) <= 64)
 OPT_BYTES = Kind("bytes or None", lambda v: v is None or type(v) is bytes)
 FETCHED = Kind("bytes, (bytes, buffer, ...) or None",  # codec.pickle_value: big buffers come in a bulk frame
@@ -119,7 +126,7 @@ HELLOS = Kind(f"a tuple of at most {MAX_ITEMS} well-formed Hellos",
 
 CLIENT_SCHEMA: dict[type, dict[str, Kind]] = {
     m.CallFunction: dict(seq=INT, results=OPT_INTS, mutates=INTS, function=FUNCTION, args=ARGS, kwargs=KWARGS,
-                         stream=INT, process_groups=PROCESS_GROUPS, grad=BOOL),
+                         stream=INT, process_groups=PROCESS_GROUPS, grad=BOOL, expect=EXPECTED),
     m.DefineOp: dict(op=INT, function=TEXT, args=TUPLE, kwargs=KWARGS, grad=BOOL),
     m.CallOp: dict(seq=INT, op=INT, results=OPT_INTS, mutates=INTS, refs=INTS, stream=INT),
     m.SendValue: dict(seq=INT, mutates=INTS, function=OPT_FUNCTION, args=ARGS, kwargs=KWARGS, stream=INT,

@@ -21,6 +21,7 @@ from ..protocol.graph_digest import digest, reachable
 from .groups import Groups
 from .overlap import Overlap, join_with_zeros
 from .streams import current_stream
+from .values import held_results
 
 __all__ = ["set_requires_grad", "run_backward", "run_grad", "drop_graphs", "detach_results"]
 
@@ -40,6 +41,13 @@ def mirrored() -> bool:
 def forget_mirroring() -> None:
     """A warm worker's next job starts as a fresh process does."""
     _state["mirrored"] = False
+
+
+def remote_results(value, expect: tuple, function):
+    """A remote function's results as the worker binds them: held as plain tensors and checked against the
+    client's propagation (``values.held_results``), detached where they carry gradient (``detach_results``)."""
+    value = held_results(value, expect, function)
+    return detach_results(value) if mirrored() else value
 
 
 def detach_results(value):

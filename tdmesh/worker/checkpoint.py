@@ -316,6 +316,11 @@ def _flat_file(value, prefix: str = "") -> dict:
     return {prefix[:-1]: value}
 
 
+def _view(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same memory seen the same way (a tied weight: one tensor, two names)."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
 def _read_file(tree, path: str):
     """A pretrained file (``torch.save``'s, or ``.safetensors``) that this worker reads itself:
     each tensor of ``tree`` gets the file's value of the same (dotted) name, in place."""
@@ -329,13 +334,17 @@ def _read_file(tree, path: str):
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     found = _flat_file(loaded)
     pairs = [(_dotted(p), leaf) for p, leaf in tree_flatten_with_path(tree)[0]]
-    missing = [name for name, leaf in pairs if isinstance(leaf, torch.Tensor) and name not in found]
+    # a tied weight (GPT-2's lm_head.weight is transformer.wte.weight) is saved once, under one of its names:
+    # a name the file lacks is loaded through another that it has, if both are the same tensor here
+    loaded_views = {_view(leaf) for name, leaf in pairs if isinstance(leaf, torch.Tensor) and name in found}
+    missing = [name for name, leaf in pairs if isinstance(leaf, torch.Tensor) and name not in found and
+               _view(leaf) not in loaded_views]
     if missing:
         raise KeyError(f"{path} has no {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} "
                        f"({len(missing)} missing); it has {', '.join(list(found)[:5])} ...: the state dict's "
                        f"names must be the file's (load model.state_dict() from a file of model.state_dict())")
     for name, leaf in pairs:
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.Tensor) and name in found:
             value = found[name]
             if not isinstance(value, torch.Tensor) or value.shape != leaf.shape:
                 raise ValueError(f"{path}: {name} is {getattr(value, 'shape', type(value).__name__)} in the file "

@@ -20,8 +20,9 @@ from torch.utils._pytree import tree_map
 from ..errors import ProtocolViolation, RecordingError
 from ..protocol import messages as m
 from ..protocol.codec import pickle_value
+from ..protocol.lastop import Slot
 from . import collectives
-from .backward import detach_results, mirrored
+from .backward import remote_results
 from .borrows import Borrows
 from .debugger import Console
 from .functions import resolve, take_part_when_poisoned
@@ -69,6 +70,7 @@ class Interpreter:
         self.ops: dict[int, DefinedOp] = {}
         self.console = Console(rank, send)  # breakpoint() in a remote function: see loop._session
         self.observer = Observer(self)  # the dashboard's samples and tdmesh.stacks, only when asked
+        self.last_op = Slot(threaded)  # for the client's diagnosis if this process dies (protocol/lastop.py)
         self.caused_error = False
         self.fatal: BaseException | None = None
         self.exit_request: m.Exit | m.Detach | None = None
@@ -228,6 +230,7 @@ class Interpreter:
         self._work[type(msg)](msg, stream)
 
     def _call_function(self, msg: m.CallFunction, stream: Stream) -> None:
+        self.last_op.note(msg.seq)
         env = stream.env
         fn = raw_args = raw_kwargs = None
         try:
@@ -237,8 +240,8 @@ class Interpreter:
             kwargs = self._resolve(raw_kwargs, stream) if raw_kwargs else {}
             _set_grad(msg.grad)
             value = fn(*args, **kwargs)
-            if mirrored() and not isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):  # remote fn
-                value = detach_results(value)
+            if not isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):  # a remote function
+                value = remote_results(value, msg.expect, msg.function)
             self._bind(env, msg.results, value)
         except DependentOnError as e:
             self._poison(env, msg.results, msg.mutates, e.poison)
@@ -313,6 +316,7 @@ class Interpreter:
     def _collective(self, run, msg, where) -> Exception | None:
         """Run one collective (on a stream, or on the ref table ``where``); its error, if it raised
         one that the user's values caused (a broken message is a ProtocolViolation and ends the worker)."""
+        self.last_op.note(msg.seq)
         try:
             with torch.no_grad():  # it may write a leaf that requires grad here (a parameter), as c10d may
                 run(self, msg, where)

@@ -312,6 +312,7 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
         return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
     finally:
         conn.close()
+        interp.last_op.close()
         sys.breakpointhook = sys.__breakpointhook__  # this session's settings end with it (a pooled
         builtins.restore_log_levels()                # or attached worker serves another client next)
     if isinstance(interp.fatal, DeviceBroken):  # reported to the client as WorkerFailed

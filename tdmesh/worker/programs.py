@@ -276,6 +276,7 @@ class Program:
     def call(self, call: m.CallRecording, stream) -> None:
         """Run one call on its stream (the stream thread's work item), with no autograd graph recorded."""
         interp = self.interp
+        interp.last_op.note(call.seq)
         torch._C._set_grad_enabled(False)
         env = stream.env
         try:

@@ -12,15 +12,15 @@ import threading
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ..errors import TdmeshError
 from ..protocol import messages as m
-from ..protocol.codec import pack_tensor
+from ..protocol.codec import pack_tensor, plain_tensor
 from .streams import Stream
 
 __all__ = ["Poison", "DependentOnError", "BorrowSlot", "DeviceBroken", "device_is_broken", "event_on", "unseal",
-           "to_fetchable"]
+           "to_fetchable", "held_results"]
 
 
 class Poison:
@@ -90,13 +90,51 @@ def unseal(args, kwargs):
 
 
 def to_fetchable(leaf):
-    """Tensors travel to the client on CPU, carrying only their own elements."""
+    """Tensors travel to the client on CPU, carrying only their own elements (a DTensor: its local shard)."""
     if isinstance(leaf, torch.Tensor):
-        leaf = leaf.detach()
+        leaf = plain_tensor(leaf).detach()
+        if leaf.device.type == "meta":
+            raise ValueError(f"a meta tensor ({list(leaf.shape)}, {leaf.dtype}) has no data to fetch")
         if leaf.device.type != "cpu":
             leaf = leaf.cpu()
         return pack_tensor(leaf)
     return leaf
+
+
+def held_results(value, expect: tuple, function):
+    """A remote function's results as the worker holds them (``codec.plain_tensor``: a collective's result
+    waited for, a DTensor's local shard), each checked against what the client's propagation described
+    (``expect``: shape, dtype and layout per result).  A result that differs would give the client's proxy another
+    shape or dtype than the worker's value: every later op planned on it would be wrong without an error."""
+    leaves, spec = tree_flatten(value)
+    if any(isinstance(leaf, torch.Tensor) and type(leaf) is not torch.Tensor for leaf in leaves):
+        leaves = [plain_tensor(leaf, "a result") if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        value = tree_unflatten(leaves, spec)
+    if not expect or len(leaves) != len(expect):  # a count that differs: bind_results says so
+        return value
+    for i, (leaf, want) in enumerate(zip(leaves, expect)):
+        if want is None:
+            continue
+        shape, dtype, layout = want
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"result {i} of {_name(function)} is a {type(leaf).__name__}, where its propagation "
+                            f"described a tensor of shape {list(shape)} ({dtype})")
+        kind = "nested" if leaf.is_nested else "quantized" if leaf.is_quantized else leaf.device.type
+        if kind in ("nested", "quantized", "meta"):
+            raise TypeError(f"result {i} of {_name(function)} is a {kind} tensor, which a mesh tensor cannot hold "
+                            f"(dense and sparse tensors with data): convert it in the function (to_padded_tensor(), "
+                            f"dequantize()), or return it by value with call_on_shard_and_fetch")
+        got = (tuple(leaf.shape), str(leaf.dtype).split(".")[1], str(leaf.layout).split(".")[1])
+        if got != (tuple(shape), dtype, layout):
+            raise TypeError(f"result {i} of {_name(function)} is a {got[2]} tensor of shape {list(got[0])} ({got[1]}),"
+                            f" where its propagation described a {layout} one of shape {list(shape)} ({dtype}): fix "
+                            f"the propagate function (or what the function returns), else the client's view of the "
+                            f"value would not be the worker's")
+    return value
+
+
+def _name(function) -> str:
+    return function if isinstance(function, str) else "the remote function"
 
 
 def bind_results(env: dict, results: tuple, value) -> None:

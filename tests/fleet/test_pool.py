@@ -91,7 +91,7 @@ def test_the_next_mesh_of_the_same_shape_reuses_the_workers_with_a_fresh_state()
         first = _pids(mesh)
         kept = torch.ones(3) * (mesh.rank("host") + 1)
         assert inspect(kept, host=1, gpu=0).tolist() == [2.0] * 3
-        remote(set_state, propagate=lambda: torch.zeros(1))()
+        remote(set_state, propagate=lambda: torch.zeros(1, dtype=torch.float64))()
     assert pool.parked_count() == 1 and all(_alive(p) for p in first)
     start = time.monotonic()
     with tdmesh.local_mesh(hosts=2, gpus_per_host=1) as mesh, mesh.activate():

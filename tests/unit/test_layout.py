@@ -12,7 +12,10 @@ from paths import REPO
 ROOT = os.path.join(REPO, "tdmesh")
 # The layers, bottom first: a module may import its own layer and the layers below, never one
 # above (function-local imports included).  The public modules are the top-level ones.
-LAYERS = ["base", "geometry", "protocol", "engine", "programs", "fleet", "monitor", "api"]
+LAYERS = ["base", "geometry", "protocol", "engine", "programs", "fleet", "monitor", "api", "interop", "root"]
+# the subpackages of those layers: api is the public top-level modules, root the package's __init__ alone
+# (it re-exports every layer, and imports interop, which adapts torch's ecosystem with the api's functions)
+PACKAGES = ["geometry", "protocol", "engine", "programs", "fleet", "monitor", "interop"]
 BASE = {"tdmesh.errors", "tdmesh.config", "tdmesh.garbage"}  # everyone's: the error types, the one table
 # of settings, and how both kinds of process tune Python's garbage collector
 # The workers stand beside the engine, on what crosses the wire: nothing of the client's side.
@@ -65,8 +68,10 @@ def layer(module: str) -> str:
     """The layer of a tdmesh module: its subpackage, the base, or the public top level."""
     if module in BASE:
         return "base"
+    if module == "tdmesh":
+        return "root"
     parts = module.split(".")
-    if len(parts) > 2 and parts[1] in LAYERS + ["worker"]:
+    if len(parts) >= 2 and parts[1] in LAYERS + ["worker"]:
         return parts[1]
     return "api"
 
@@ -87,8 +92,8 @@ def test_every_import_runs_down_the_layers():
 
 
 def test_each_layer_is_a_package_and_every_module_has_one():
-    """The table above is the layout: each layer but the base and the top is a subpackage."""
-    for name in LAYERS[1:-1]:
+    """The table above is the layout: each layer but the base, the public modules and the root is a subpackage."""
+    for name in PACKAGES:
         assert os.path.isfile(os.path.join(ROOT, name, "__init__.py")), name
     stray = [m for m in MODULES if m.count(".") > 1 and m.split(".")[1] not in LAYERS + ["worker"]]
     assert not stray, stray

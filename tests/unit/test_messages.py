@@ -17,7 +17,8 @@ HG = Shape(("host", "gpu"), Slice.new_row_major([2, 2]))
 SAMPLES = {
     m.CallFunction: m.CallFunction(3, (4, None, 5), (6,), "torch.ops.aten.add.Tensor",
                                    (m.Ref(4), 2.5, [m.Ref(6)], m.ProcessGroupArg(9, HG, ("gpu",))),
-                                   {"alpha": 2}, stream=1, process_groups=(m.ProcessGroupArg(9, HG, ("gpu",)),)),
+                                   {"alpha": 2}, stream=1, process_groups=(m.ProcessGroupArg(9, HG, ("gpu",)),),
+                                   expect=(((2, 3), "float32", "strided"), None, ((), "int64", "sparse_coo"))),
     m.DefineOp: m.DefineOp(4, "torch.ops.aten.add.Tensor", (m.Slot(0), [m.Slot(1), 2.5]), {"alpha": 2}),
     m.CallOp: m.CallOp(5, 4, (7, None), (3,), (1, 2), stream=1),
     m.SendValue: m.SendValue(7, (8,), b"\x80\x05pickled-callable", (m.Ref(8), m.MeshArg(HG)), {"k": (1, 2)},
@@ -65,7 +66,8 @@ SAMPLES = {
 
 FIELDS = {
     m.Ref: ("id",),
-    m.CallFunction: ("seq", "results", "mutates", "function", "args", "kwargs", "stream", "process_groups", "grad"),
+    m.CallFunction: ("seq", "results", "mutates", "function", "args", "kwargs", "stream", "process_groups", "grad",
+                     "expect"),
     m.Slot: ("position",),
     m.DefineOp: ("op", "function", "args", "kwargs", "grad"),
     m.CallOp: ("seq", "op", "results", "mutates", "refs", "stream"),
@@ -117,7 +119,7 @@ FIELDS = {
 }
 
 DEFAULTS = {
-    m.CallFunction: {"stream": 0, "process_groups": (), "grad": True},
+    m.CallFunction: {"stream": 0, "process_groups": (), "grad": True, "expect": ()},
     m.DefineOp: {"grad": True},
     m.CallOp: {"stream": 0},
     m.SendValue: {"stream": 0, "process_groups": ()},
