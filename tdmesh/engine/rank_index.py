@@ -31,7 +31,9 @@ def _plan(x, parts: tuple) -> tuple[tuple, list, int, list]:
     """(the index with each per-rank scalar a full slice, the ``aten.index`` indices of that view, the dim the
     scalars' one-element index leaves in the result, the view's dims the scalars select)."""
     consumed = sum(1 for p in parts if p is not None and p is not Ellipsis)
-    view, dims, d = [], [], 0
+    view: list = []
+    dims: list[int] = []
+    d = 0
     for p in parts:
         if p is Ellipsis:
             view.append(p)
