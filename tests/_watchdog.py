@@ -148,6 +148,19 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 def pytest_unconfigure(config) -> None:
-    """The way out after the last test (atexit handlers, the warm pool's shutdown): a process
-    still there two minutes on dumps its stacks and exits with status 1."""
-    faulthandler.dump_traceback_later(HARD_EXIT_GRACE_S, exit=True)
+    """The way out after the last test (the non-daemon threads, atexit handlers, the warm pool's shutdown): a
+    process still there two minutes after its interpreter began to shut down dumps its stacks and exits with
+    status 1.  The clock starts when the interpreter shuts down, not here: an xdist worker that ends its last file
+    early waits, idle, until the controller ends the whole session -- armed here, it was killed at two minutes
+    of that wait, and xdist, replacing the "crashed" worker, failed with an INTERNALERROR (loadfile's
+    scheduler knows no collection of the new one)."""
+    def arm() -> None:
+        faulthandler.dump_traceback_later(HARD_EXIT_GRACE_S, exit=True)
+
+    register = getattr(threading, "_register_atexit", None)  # run before the non-daemon threads are joined
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(arm)
+    except RuntimeError:  # already shutting down, or no such hook: atexit runs after those joins
+        atexit.register(arm)

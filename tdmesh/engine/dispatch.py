@@ -339,6 +339,11 @@ def ship_local(data: torch.Tensor, mesh, stream=None) -> Tensor:
     bulk frame, flushed here), so later writes to ``data`` never reach the mesh and no copy is
     made of it here (a copy of fresh memory cost more than the transfer).  A recorder (a
     compiled function being captured) keeps its messages for later: it gets a copy."""
+    with torch._C.DisableTorchFunction():  # local tensors only: not through the mesh's mode (17 calls, ~70 us)
+        return _ship_local(data, mesh, stream)
+
+
+def _ship_local(data: torch.Tensor, mesh, stream) -> Tensor:
     client = mesh.client
     device = client.device
     direct = client.sink is client

@@ -22,7 +22,7 @@ from ..protocol.messages import CallOp, CallRecording
 from .propagation import SparseMeta, TensorMeta
 from .saved import thread_hooks, workers_record
 from .stream import Stream, get_active_stream
-from .tensor import AliasSet, Tensor, new_proxy
+from .tensor import AliasSet, Tensor, new_proxy, view_proxy
 
 _grad_enabled = torch._C.is_grad_enabled
 _tuple_new = tuple.__new__  # a NamedTuple from its values without its Python-level __new__
@@ -111,8 +111,8 @@ def issue_op(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> li
         for kind, value, slot in plan.outputs:
             if kind == 0:  # plan.NEW: a new proxy, viewing the storage of slot's tensor if slot >= 0
                 ref = client.new_ref()
-                proxy = new_proxy(value, device, mesh, ref, remote[slot]._r.aliases if slot >= 0 else AliasSet(),
-                                  stream)
+                proxy = view_proxy(value, device, mesh, ref, remote[slot], stream) if slot >= 0 else \
+                    new_proxy(value, device, mesh, ref, AliasSet(), stream)
                 proxies.append(proxy)
                 made.append(proxy)
                 results.append(ref)
@@ -147,7 +147,8 @@ def issue_lean(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> 
             op = client.define_op(plan, grad)
         ref = client.next_ref
         client.next_ref = ref + 1
-        proxy = new_proxy(meta, device, mesh, ref, remote[slot]._r.aliases if slot >= 0 else AliasSet(), stream)
+        proxy = view_proxy(meta, device, mesh, ref, remote[slot], stream) if slot >= 0 else \
+            new_proxy(meta, device, mesh, ref, AliasSet(), stream)
         # the site from here: issue_lean <- dispatch (the mode's or Tensor's __torch_dispatch__) or the operator
         # itself (operators.py); the walk starts above them
         n = len(remote)  # one or two inputs, most often: no list comprehension's frame (0.15 us)

@@ -20,7 +20,7 @@ from ..errors import PlacementError, UsageError, call_site, user_line
 from .propagation import SparseMeta, TensorMeta, meta_tensor
 from .stream import Stream
 
-__all__ = ["Tensor", "RefOwner", "AliasSet", "new_proxy", "describe", "raise_in_op", "binary_call",
+__all__ = ["Tensor", "RefOwner", "AliasSet", "new_proxy", "view_proxy", "describe", "raise_in_op", "binary_call",
            "BINARY_OPERATORS"]
 
 
@@ -163,6 +163,14 @@ class Tensor(torch.Tensor):
         memo[id(self)] = new
         return new
 
+    def untyped_storage(self):
+        """A mesh tensor has no memory on the client: a library that reads a tensor's memory (safetensors'
+        ``save_file``, a ``numpy()`` view) is refused here, before it wrote anything, naming the ways."""
+        raise UsageError(f"tdmesh.Tensor {self._r.id} has no memory on the client: its data lives on the workers. "
+                         f"Fetch a replica first (tdmesh.fetch_shard(t).result()); save a model with "
+                         f"model.save_pretrained(dir) (one replica, checked) or tdmesh.checkpoint.save\n"
+                         f"  at {user_line()}")
+
     def __reduce_ex__(self, protocol):  # torch.save, pickle
         raise UsageError(f"a tdmesh.Tensor cannot be pickled (torch.save, pickle): its data lives on the workers. "
                          f"{_CHECKPOINT_WAY}; for a small value, fetch it: tdmesh.fetch_shard(t).result() "
@@ -221,6 +229,19 @@ def new_proxy(meta: TensorMeta, device, mesh, ref_id: int, aliases: AliasSet, st
     t._stream = stream
     t._device = device if type(device) is _DEVICE else t.device
     return t
+
+
+def view_proxy(meta: TensorMeta, device, mesh, ref_id: int, base: Tensor, stream: Stream) -> Tensor:
+    """The proxy of a view of ``base``: under inference mode a normal tensor where ``base`` is one, as torch makes a
+    view of a normal tensor there (autograd's view kernel then shares ``base``'s version counter with it: an
+    inference-tensor proxy made it fail with "Cannot set version_counter for inference tensor")."""
+    if _inference_on() and not base.is_inference():
+        with torch.inference_mode(False):  # a new one each time: the context object holds its state
+            return new_proxy(meta, device, mesh, ref_id, base._r.aliases, stream)
+    return new_proxy(meta, device, mesh, ref_id, base._r.aliases, stream)
+
+
+_inference_on = torch.is_inference_mode_enabled
 
 
 def describe(t) -> str:

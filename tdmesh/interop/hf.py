@@ -4,11 +4,11 @@
   without a mesh (in ``plain_torch``: its own file reading, dtype and key handling, tied weights), then each
   parameter and buffer is put on the mesh once (a tied pair stays one tensor).  Before, the model came back
   with local parameters, and its first forward failed inside transformers with ``LOCAL_TENSOR``.
-- ``save_pretrained`` of a model on a mesh (and ``safetensors.torch.save_file`` / ``save`` of mesh tensors)
-  writes the files of one replica, after checking that every rank holds the same values (a CRC of each
-  tensor on every rank): a model whose ranks differ is refused before anything is written, naming
-  ``tdmesh.checkpoint.save``.  Before, safetensors failed on the mesh tensors' storage after the config was
-  written: a directory of a model without weights.
+- ``save_pretrained`` of a model on a mesh writes the files of one replica, after checking that every rank
+  holds the same values (a CRC of each tensor on every rank): a model whose ranks differ is refused before
+  anything is written, naming ``tdmesh.checkpoint.save``.  Before, safetensors failed on the mesh tensors'
+  storage after the config was written: a directory of a model without weights.  safetensors' own
+  ``save_file`` of mesh tensors is refused before it writes (``Tensor.untyped_storage``), naming the ways.
 - ``transformers.Trainer`` drives a model in its own process (its device placement, DataLoader, accelerate):
   given a model on a mesh it is refused at ``Trainer(...)``, naming the way: a training loop of one's own.
 """
@@ -36,13 +36,13 @@ _digests = remote("tdmesh.worker.builtins.digests", propagate="inspect")
 def replica_values(named: dict, what: str) -> dict:
     """``named``'s mesh tensors as the local tensors of one replica (the first rank's), once every rank is seen
     to hold the same bytes; a tensor that appears under two names (tied) is one local tensor under both."""
-    unique: dict[int, Tensor] = {}
+    unique: dict[tuple, Tensor] = {}  # one per worker value: a state_dict's tied entries are two detached proxies
     for value in named.values():
         if type(value) is Tensor:
-            unique.setdefault(id(value), value)
+            unique.setdefault(_same_memory(value), value)
     if not unique:
         return named
-    proxies = list(unique.values())
+    keys, proxies = list(unique), list(unique.values())
     mesh = proxies[0].mesh
     if any(t.mesh is not mesh for t in proxies):
         raise UsageError(f"{what} of tensors on several meshes: put them on one (t.to_mesh(mesh))\n  at {user_line()}")
@@ -51,13 +51,18 @@ def replica_values(named: dict, what: str) -> dict:
     for point, values in ranks[1:]:
         if values != first:
             i = next(i for i, (a, b) in enumerate(zip(values, first)) if a != b)
-            name = next(k for k, v in named.items() if v is proxies[i])
+            name = next(k for k, v in named.items() if type(v) is Tensor and _same_memory(v) == keys[i])
             raise UsageError(f"{what} writes one model, and the ranks of {mesh!r} hold different values of {name!r} "
                              f"({first_point} and {point}): nothing was written. Save per-rank state with "
                              f"tdmesh.checkpoint.save, or make the replicas agree (tdmesh.reduce_(..., 'avg'))"
                              f"\n  at {user_line()}")
     local = dict(zip(unique, fetch_shard([t.detach() for t in proxies]).result()))
-    return {k: local[id(v)] if type(v) is Tensor else v for k, v in named.items()}
+    return {k: local[_same_memory(v)] if type(v) is Tensor else v for k, v in named.items()}
+
+
+def _same_memory(t: Tensor) -> tuple:
+    """Proxies of one worker tensor seen the same way (``p.detach()`` of a tied weight, under two names) agree."""
+    return id(t.aliases), t.meta
 
 
 def onto_mesh(model: torch.nn.Module, mesh) -> torch.nn.Module:
@@ -107,17 +112,6 @@ def _save_pretrained(original):
     return save_pretrained
 
 
-def _safetensors_save(original):
-    @functools.wraps(original)
-    def save(tensors, *args, **kwargs):
-        if isinstance(tensors, dict) and any(type(v) is Tensor for v in tensors.values()):
-            tensors = replica_values(tensors, f"safetensors.torch.{original.__name__}")
-        return original(tensors, *args, **kwargs)
-
-    save.__tdmesh__ = True
-    return save
-
-
 def _trainer_init(original):
     @functools.wraps(original)
     def __init__(self, model=None, *args, **kwargs):
@@ -146,13 +140,6 @@ def _patch_trainer(trainer) -> None:
         trainer.Trainer.__init__ = _trainer_init(trainer.Trainer.__init__)
 
 
-def _patch_safetensors(module) -> None:
-    for name in ("save_file", "save"):
-        if not hasattr(getattr(module, name), "__tdmesh__"):
-            setattr(module, name, _safetensors_save(getattr(module, name)))
-
-
 def install() -> None:
     when_imported("transformers.modeling_utils", _patch_transformers)
     when_imported("transformers.trainer", _patch_trainer)
-    when_imported("safetensors.torch", _patch_safetensors)

@@ -215,7 +215,9 @@ def send_tensor(interp, msg: m.SendTensor, stream) -> None:
             received = x.clone()
         else:
             group = interp.groups.p2p(msg.from_stream, msg.to_stream)
-            ops.append(dist.P2POp(dist.isend, x.contiguous(), dst, group))
+            # a conjugate or negative view (x.conj(), torch._neg_view) goes as its values: c10d refuses such a
+            # view, and the sender's refusal left its receiver waiting in the pair for good
+            ops.append(dist.P2POp(dist.isend, x.resolve_conj().resolve_neg().contiguous(), dst, group))
     if rank in msg.to_ranks and received is None:
         src = msg.from_ranks[msg.to_ranks.index(rank)]
         shape, dtype = msg.factory

@@ -78,3 +78,38 @@ def test_a_profile_prints_no_kineto_error_and_keeps_what_others_write(tmp_path):
     assert "a line of the worker's own" in err
     assert "External init callback" not in err and "ERROR" not in err
     assert os.listdir(tmp_path / "traces") == ["rank0.trace.json"]
+
+
+class Sharder:
+    """A worker object that answers with a DTensor and with a functional collective's pending result."""
+
+    def __init__(self, tmesh):
+        self.tmesh = tmesh
+
+    def shard(self, x):
+        from torch.distributed.tensor import DTensor, Shard
+        return DTensor.from_local(x, self.tmesh["gpu"], [Shard(0)])
+
+    def summed(self, x):
+        import torch.distributed._functional_collectives as fc
+        return fc.all_reduce(x, "sum", self.tmesh["gpu"])
+
+
+def test_worker_objects_answer_with_dtensors_and_collectives_by_value_and_as_mesh_tensors(mesh2x2):
+    """A worker object's DTensor comes back as each rank's local shard, a collective's result waited for: by
+    value (``call``) and as a mesh tensor (``remote``); before, either fetch killed the worker (SIGSEGV)."""
+    with mesh2x2.activate():
+        x = torch.ones(2, 3) * (mesh2x2.rank("gpu") + 1 + 10 * mesh2x2.rank("host"))
+        h = mesh2x2.spawn(Sharder, mesh2x2.torch_mesh())
+        shards = h.call("shard", x).result()
+        sums = h.call("summed", x).result()
+        held_shard = h.remote("shard", propagate=lambda x: torch.empty(2, 3))(x)
+        held_sum = h.remote("summed", propagate=lambda x: torch.empty(2, 3))(x)
+        for hst in range(2):
+            for g in range(2):
+                point = {"host": hst, "gpu": g}
+                mine = torch.full((2, 3), 1.0 + g + 10 * hst)
+                total = torch.full((2, 3), 3.0 + 20 * hst)
+                assert torch.equal(shards[point], mine) and torch.equal(sums[point], total)
+                assert torch.equal(tdmesh.fetch_shard(held_shard, **point).result(), mine)
+                assert torch.equal(tdmesh.fetch_shard(held_sum + 0, **point).result(), total)

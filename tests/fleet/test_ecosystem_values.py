@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 import tdmesh
@@ -126,8 +126,13 @@ def still_computes(mesh) -> None:
 
 
 @settings(max_examples=150, deadline=None, database=None)
+@example(kind="conj", seed=0, how="moved")  # once a hang: c10d refused the sender's view, its receiver waited on
+@example(kind="neg", seed=0, how="moved")
 @given(kind=st.sampled_from(KINDS), seed=st.integers(0, 2**16), how=st.sampled_from(["value", "held", "moved"]))
 def test_any_tensor_a_worker_holds_is_fetched_moved_or_refused(mesh, kind, seed, how):
+    # call_on_shard_and_fetch runs the function on its one rank: a collective there waits for ranks that never
+    # join it, as in any SPMD program (the held path runs it on every rank)
+    assume(not (how == "value" and kind == "pending_collective"))
     ranks = len(mesh.rank_list)
     wants = [expected(kind, seed, r, ranks) for r in range(ranks)] if kind not in REFUSED else None  # local torch
     with mesh.activate():
