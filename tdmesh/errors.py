@@ -54,6 +54,16 @@ class RemoteException(TdmeshError):
                 f"Issued by the client at (most recent call last):\n{where}"
                 f"Traceback on worker rank {self.rank}:\n{self.worker_traceback.rstrip()}")
 
+    @property
+    def worker_error_string(self) -> str:
+        """Monarch's name for the worker's traceback (it ends with the exception's type and message)."""
+        return self.worker_traceback
+
+    @property
+    def controller_frames(self) -> list[traceback.FrameSummary]:
+        """Monarch's name for ``call_site``: the client's frames that issued the failed call."""
+        return self.call_site
+
     def __reduce__(self):
         return (RemoteException, (self.seq, self.rank, self.exc_type, self.message, self.worker_traceback,
                                   self.call_site))

@@ -10,6 +10,7 @@ live here too.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -85,6 +86,12 @@ class DeviceMesh:
     def spawn(self, cls, /, *args, **kwargs):
         """One ``cls(*args, **kwargs)`` on every rank, in order with the tensor ops (see tdmesh.objects)."""
         return spawn(self, cls, *args, **kwargs)
+
+    def __call__(self, /, **kw: int | slice) -> DeviceMesh:
+        """``mesh(host=0)``: Monarch's older spelling of :meth:`slice` (deprecated there, as here)."""
+        warnings.warn("mesh(**dims) is Monarch's older spelling of mesh.slice(**dims): use mesh.slice",
+                      DeprecationWarning, stacklevel=2)
+        return self.slice(**kw)
 
     def slice(self, /, **kw: int | slice) -> DeviceMesh:
         """``int`` removes a dim, ``slice`` restricts it; applied in keyword order."""

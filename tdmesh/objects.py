@@ -109,9 +109,9 @@ def spawn(mesh, cls, *args, **kwargs) -> ObjectHandle:
     if client.sink is not client:
         raise UsageError(f"mesh.spawn inside tdmesh.compile: objects are made once, spawn them before the "
                          f"compiled function\n  at {user_line()}")
-    if not callable(cls):
-        raise TypeError(f"mesh.spawn needs a class (or a callable that builds the object), got {cls!r}\n"
-                        f"  at {user_line()}")
+    if not callable(cls) and not (isinstance(cls, str) and "." in cls):
+        raise TypeError(f"mesh.spawn needs a class (or a callable that builds the object, or its import path), got "
+                        f"{cls!r}\n  at {user_line()}")
     target = function_path(cls)  # an import path, or the class pickled by value (one of __main__)
     stream = get_active_stream()
     flat = tree_flatten((args, kwargs))[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -79,7 +80,13 @@ class Remote:
             raise NotImplementedError("propagate='mocked' is not supported")
         if propagate not in (None, "cached", "inspect") and not callable(propagate):
             raise ValueError(f"propagate must be a callable, 'inspect', 'cached' or None, got {propagate!r}")
-        self._target = function_path(target)
+        self._unresolved: str | None = None
+        try:
+            self._path = function_path(target)
+        except ValueError as e:  # a name without a dot ("__test_panic"): refused where it is called, as a
+            if not isinstance(target, str):  # module that only defines one still imports (Monarch's resolve then)
+                raise
+            self._path, self._unresolved = "", str(e)
         self._propagate = propagate
         self._cache: dict = {}
         self.cache_hits = 0
@@ -88,6 +95,13 @@ class Remote:
 
     def __repr__(self) -> str:
         return f"<tdmesh.remote {self.__name__}>"
+
+    @property
+    def _target(self) -> str | bytes:
+        """How the function travels; a name that leads nowhere is refused here, at the call's user line."""
+        if self._unresolved is not None:
+            raise ValueError(f"{self._unresolved}\n  at {user_line()}")
+        return self._path
 
     def __call__(self, *args, **kwargs):
         return call_remote(self, args, kwargs)
@@ -141,8 +155,8 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict, mesh=None):
         spec, out_leaves, mutated = _propagate_with(fn._propagate, args, kwargs)
     for t in mutated:
         check_mutation(t, fn)
-    outputs = [None if leaf is None else New(tensor_meta(leaf), source.aliases if source is not None else None)
-               for leaf, source in out_leaves]
+    outputs = [None if leaf is None or type(leaf) is Value else
+               New(tensor_meta(leaf), source.aliases if source is not None else None) for leaf, source in out_leaves]
     sealed = sealed_args(args, kwargs)
     expect = tuple(None if o is None else _expected(o.meta) for o in outputs)  # checked by the workers
 
@@ -155,7 +169,15 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict, mesh=None):
                     stream=stream, uses=objects)
     if spec is None:
         return None
+    if any(type(leaf) is Value for leaf, _ in out_leaves):
+        proxies = [leaf.value if type(leaf) is Value else p for (leaf, _), p in zip(out_leaves, proxies)]
     return tree_unflatten(proxies, spec)
+
+
+class Value(NamedTuple):
+    """A result of a remote function that is not a tensor: the value the first rank's run returned (cached
+    with the call's key, as Monarch's cached propagation keeps it); the workers keep nothing for it."""
+    value: Any
 
 
 def _expected(meta) -> tuple:
@@ -201,10 +223,12 @@ def _propagate_cached(fn: Remote, args, kwargs, flat, mesh):
     else:
         fn.cache_hits += 1
     spec_text, described, mutated_idx = hit
-    leaves: list[tuple[torch.Tensor | None, Tensor | None]] = []
+    leaves: list[tuple[Any, Tensor | None]] = []  # a meta tensor, a Value or None; the input it aliases
     for d in described:
         if d is None:
             leaves.append((None, None))
+        elif len(d) == 2:  # ("value", v): a result that is not a tensor, as the first rank returned it
+            leaves.append((Value(d[1]), None))
         else:
             size, stride, offset, dtype, alias = d
             meta = meta_tensor(TensorMeta(tuple(size), tuple(stride), offset, getattr(torch, dtype)))

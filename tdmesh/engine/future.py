@@ -80,6 +80,10 @@ class Future:
             raise self._exception
         return self._value
 
+    def get(self, timeout: float | None = None):
+        """Monarch's name for :meth:`result` (its futures' ``get``): the same wait, value and errors."""
+        return self.result(timeout)
+
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error this future failed with, or None; ``TimeoutError`` if not done in time."""
         self._wait(timeout)

@@ -62,6 +62,10 @@ class Recording:
         self.mutated_outside = [r for r in dict.fromkeys(mutated) if r not in self.defined]
         self.formal_index = {r: i for i, r in enumerate(self.formals)}
         self.capture_metas = [t._meta for t in self.captures]
+        # the stream the function was called on: a capture that lives on another reached the trace's ops only
+        # through a borrow (or an activation of its stream) inside the function, which every replay repeats
+        self.home_stream = get_active_stream()
+        self.borrows_captures = any(t._stream is not self.home_stream for t in self.captures)  # streams never change
         # state the call made and the program keeps: rewritten in place (same refs) by every call
         self.kept_refs = tuple(state.kept_refs)
         self._kept = [weakref.ref(r) for r in state.kept]
@@ -210,7 +214,13 @@ class Recording:
         for t in inputs:  # inputs may come from several meshes
             check_inputs((t,), t._mesh, "a compiled function", stream)
         if captures:
-            check_inputs(captures, captures[0].mesh, "a compiled function (a captured tensor)", stream)
+            mesh, what = captures[0].mesh, "a compiled function (a captured tensor)"
+            if not self.borrows_captures:
+                check_inputs(captures, mesh, what, stream)
+            else:  # one borrowed inside the function: checked on its own stream (dropped? borrowed elsewhere?)
+                home = self.home_stream
+                for t in captures:
+                    check_inputs((t,), mesh, what, stream if t._stream is home else t._stream)
         return stream
 
     def replay(self, mesh, inputs: Sequence[Tensor], captures: list):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import sys
 import tempfile
 
@@ -60,8 +61,10 @@ def live_process_groups() -> int:
 def probe(target, args, kwargs):
     """Run ``target`` once for real and describe its outputs: the client's cached propagation.
 
-    Returns ``(output tree spec, leaves, mutated)``: each leaf is ``None`` or ``(size, stride,
-    offset, dtype, aliased input index)``; ``mutated`` lists the inputs it wrote in place.
+    Returns ``(output tree spec, leaves, mutated)``: each leaf is ``None``, ``(size, stride, offset, dtype,
+    aliased input index)`` for a tensor, or ``("value", v)`` for any other picklable value (Monarch's
+    semantics: the client's result holds this rank's value, cached with the call's key); ``mutated`` lists
+    the inputs it wrote in place.
     """
     import torch.distributed as dist
     from torch.utils._pytree import tree_flatten, treespec_dumps
@@ -86,8 +89,13 @@ def probe(target, args, kwargs):
             described.append((tuple(leaf.shape), tuple(leaf.stride()), leaf.storage_offset(),
                               str(leaf.dtype).split(".")[1], alias))
         else:
-            raise TypeError(f"a remote function returns tensors (or None), not {type(leaf).__name__}; "
-                            f"use call_on_shard_and_fetch or .call() for Python values")
+            try:
+                pickle.dumps(leaf)
+            except Exception as e:
+                raise TypeError(f"a remote function's result holds a {type(leaf).__name__}, which does not pickle "
+                                f"({e}): return tensors and picklable values, or keep the object on the workers "
+                                f"(mesh.spawn)") from e
+            described.append(("value", leaf))
     mutated = [i for i, (t, v) in enumerate(zip(inputs, versions)) if t._version != v]
     return treespec_dumps(spec), described, mutated
 
@@ -179,12 +187,16 @@ def set_log_level(logger: str, level: int) -> None:
     target.setLevel(level)
 
 
+def log_message(logger: str, level: int, *args, **kwargs) -> None:
+    """``tdmesh.builtins.log_remote``: ``args`` logged at ``level`` on this worker's ``logger``."""
+    logging.getLogger(logger).log(level, *args, **kwargs)
+
+
 def restore_log_levels() -> None:
     """Put back the levels that ``set_log_level`` changed, when the client's session ends."""
     for logger, level in _levels_before.items():
         logging.getLogger(logger or None).setLevel(level)
     _levels_before.clear()
-
 
 
 def same(*values) -> tuple:

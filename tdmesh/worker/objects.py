@@ -13,6 +13,11 @@ class Resident:
     def __init__(self, obj) -> None:
         self.obj = obj
 
+    @property
+    def value(self):
+        """The object, under Monarch's name (``OpaqueRef.value``, read in a remote function)."""
+        return self.obj
+
     def __reduce__(self):
         raise TypeError(f"a worker-resident {type(self.obj).__qualname__} cannot be fetched; call one of its "
                         f"methods to get values out of it")

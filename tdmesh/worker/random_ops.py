@@ -98,6 +98,12 @@ def cuda_manual_seed_all(seed) -> None:
     torch.cuda.manual_seed_all(_as_int(seed))
 
 
+def cuda_manual_seed(seed) -> None:
+    """``torch.cuda.manual_seed(seed)``: this worker's current CUDA device (its own GPU); queued by torch until
+    CUDA initializes, so a no-op on a worker without CUDA."""
+    torch.cuda.manual_seed(_as_int(seed))
+
+
 def _cuda_devices(device) -> int:
     """The CUDA devices whose generators a worker on ``device`` owns: none on a CPU mesh's
     worker (even where the host has GPUs: that worker never touches CUDA)."""

@@ -12,10 +12,12 @@ from paths import REPO
 ROOT = os.path.join(REPO, "tdmesh")
 # The layers, bottom first: a module may import its own layer and the layers below, never one
 # above (function-local imports included).  The public modules are the top-level ones.
-LAYERS = ["base", "geometry", "protocol", "engine", "programs", "fleet", "monitor", "api", "interop", "root"]
+LAYERS = ["base", "geometry", "protocol", "engine", "programs", "fleet", "monitor", "api", "builtins", "interop",
+          "root"]
 # the subpackages of those layers: api is the public top-level modules, root the package's __init__ alone
-# (it re-exports every layer, and imports interop, which adapts torch's ecosystem with the api's functions)
-PACKAGES = ["geometry", "protocol", "engine", "programs", "fleet", "monitor", "interop"]
+# (it re-exports every layer, and imports interop, which adapts torch's ecosystem with the api's functions);
+# builtins: Monarch's builtins under their Monarch names, made of the api's functions
+PACKAGES = ["geometry", "protocol", "engine", "programs", "fleet", "monitor", "builtins", "interop"]
 BASE = {"tdmesh.errors", "tdmesh.config", "tdmesh.garbage"}  # everyone's: the error types, the one table
 # of settings, and how both kinds of process tune Python's garbage collector
 # The workers stand beside the engine, on what crosses the wire: nothing of the client's side.
