@@ -143,6 +143,7 @@ def call_on_shard_and_fetch(remote_fn: Remote, *args, shard: dict | None = None,
 
 def call_remote(fn: Remote, args: tuple, kwargs: dict, mesh=None):
     """``fn(*args, **kwargs)`` on ``mesh`` (default: where its arguments live) as one CallFunction."""
+    target = fn._target  # first: a name that leads nowhere is refused before anything is issued
     flat, _ = tree_flatten((args, kwargs))
     mesh = mesh if mesh is not None else mesh_of(flat)
     stream = get_active_stream()
@@ -163,7 +164,7 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict, mesh=None):
     grad = torch.is_grad_enabled()  # the function runs in the caller's grad mode
 
     def build(seq, results, mutated_refs):
-        return m.CallFunction(seq, results, mutated_refs, fn._target, sealed, {}, stream.id, groups, grad, expect)
+        return m.CallFunction(seq, results, mutated_refs, target, sealed, {}, stream.id, groups, grad, expect)
 
     proxies = issue(mesh, build, inputs=remote_args, outputs=outputs, mutated=mutated, device=mesh.client.device,
                     stream=stream, uses=objects)
