@@ -82,19 +82,26 @@ def test_a_compiled_function_that_borrows_a_capture_equals_its_eager_runs(mesh, 
     assert all(torch.equal(g, w) for g, w in zip(got, want)), (got, want)
 
 
+def monarchs_case():
+    """Monarch's ``test_repeat_inner_borrow``: ``a`` here, ``b`` on the other stream, a compiled function that
+    borrows ``b`` into this stream and adds it to ``a``."""
+    a = torch.zeros(())
+    with OTHER.activate():
+        b = torch.ones(())
+
+    @tdmesh.compile
+    def fn():
+        c, borrow = DEFAULT_STREAM.borrow(b)
+        with borrow:
+            a.add_(c)
+
+    return a, b, fn
+
+
 def test_monarchs_repeat_inner_borrow(mesh):
     """Monarch's own case, as its test writes it: three calls, then ``a == 3``."""
     with mesh.activate():
-        a = torch.zeros(())
-        with OTHER.activate():
-            b = torch.ones(())
-
-        @tdmesh.compile
-        def fn():
-            c, borrow = DEFAULT_STREAM.borrow(b)
-            with borrow:
-                a.add_(c)
-
+        a, _, fn = monarchs_case()
         for _ in range(3):
             fn()
         assert tdmesh.fetch_shard(a).result().item() == 3
@@ -103,16 +110,7 @@ def test_monarchs_repeat_inner_borrow(mesh):
 def test_a_capture_dropped_after_the_trace_is_still_refused(mesh):
     """The check on a borrowed capture's own stream still refuses what eager code would: a dropped tensor."""
     with mesh.activate():
-        a = torch.zeros(())
-        with OTHER.activate():
-            b = torch.ones(())
-
-        @tdmesh.compile
-        def fn():
-            c, borrow = DEFAULT_STREAM.borrow(b)
-            with borrow:
-                a.add_(c)
-
+        _, b, fn = monarchs_case()
         fn()
         fn()
         with OTHER.activate():
