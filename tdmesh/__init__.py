@@ -31,6 +31,8 @@ from .mesh import DeviceMesh, RemoteProcessGroup
 from .monitor import dashboard, stop_dashboard
 from .objects import ObjectHandle, ObjectMethod
 from .opaque import OpaqueObject, opaque_method
+from .opaque_module import OpaqueModule
+from .opaque_ref import OpaqueRef
 from .profiling import profile
 from .programs.optim import register_foreach_support  # noqa: F401 - registers tdmesh.Tensor with torch.optim
 from .programs.recording import compile
@@ -42,7 +44,7 @@ __all__ = [
     "Slice", "Shape", "UnknownDimError", "DeviceMesh", "get_active_mesh", "no_mesh",
     "TdmeshError", "DeviceException", "RemoteException", "PlacementError", "ValueMesh", "ControllerParams",
     "SupervisionParams", "Future", "Tensor", "Remote", "remote", "OpaqueObject", "opaque_method",
-    "remote_autograd_function",
+    "OpaqueRef", "OpaqueModule", "remote_autograd_function",
     "call_on_shard_and_fetch", "fetch_shard", "inspect", "local_mesh", "local_meshes",
     "restart_count", "world_mesh", "RemoteProcessGroup", "Borrow", "Stream", "get_active_stream",
     "MeshSliceTensor", "reduce", "reduce_", "reduce_grads_in_backward", "GradReduction", "slice_mesh", "to_mesh",

@@ -44,6 +44,11 @@ class ObjectHandle:
         return self._r.id
 
     @property
+    def owner(self) -> RefOwner:
+        """What deletes the objects on the workers when the last handle holding it dies."""
+        return self._r
+
+    @property
     def _tdmesh_object_ref(self) -> int:  # read by fetch.prepare_call: a call passing this object uses it
         return self._r.id
 

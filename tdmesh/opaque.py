@@ -5,7 +5,8 @@ Monarch users hold worker-resident objects this way (``monarch.opaque_object``);
 
 - ``OpaqueObject(constructor, *args, **kwargs)`` builds ``constructor(*args, **kwargs)`` on every rank of the
   active mesh, in order with its tensor ops; ``constructor`` is a class, a callable or an import path.  The
-  objects are freed on the workers when the client's ``OpaqueObject`` dies (its ref's ``DeleteRefs``).
+  objects are freed on the workers when the client's ``OpaqueObject`` dies (its ref's ``DeleteRefs``);
+  ``OpaqueObject(ref)`` of an ``OpaqueRef`` a remote function returned gives that object methods.
 - ``obj.call_method(name, propagation, *args, **kwargs)`` runs ``name`` on each rank's object; its tensors
   come back as mesh tensors shaped by ``propagation(obj, *args, **kwargs)`` (run on the client on meta
   tensors, as a remote function's propagator).  Not differentiable, as in Monarch.
@@ -24,38 +25,27 @@ from collections.abc import Callable
 
 from .engine.context import get_active_mesh
 from .objects import ObjectHandle
+from .opaque_ref import OpaqueRef
 
 __all__ = ["OpaqueObject", "opaque_method"]
 
 
-class OpaqueObject:
+class OpaqueObject(OpaqueRef):
     """``constructor(*args, **kwargs)`` on every rank of the active mesh (Monarch's name for ``mesh.spawn``)."""
 
     def __init__(self, constructor, *args, **kwargs) -> None:
         if isinstance(constructor, OpaqueObject):  # Monarch wraps an existing one: the same objects
             self._handle: ObjectHandle = constructor._handle
-            return
-        self._handle = get_active_mesh().spawn(constructor, *args, **kwargs)
+        elif isinstance(constructor, OpaqueRef):  # the objects a remote function returned
+            self._handle = ObjectHandle(constructor._r, constructor.mesh, constructor.stream, "OpaqueRef")
+        else:
+            self._handle = get_active_mesh().spawn(constructor, *args, **kwargs)
+        self._r, self.mesh, self.stream = self._handle.owner, self._handle.mesh, self._handle.stream
 
     @property
     def handle(self) -> ObjectHandle:
         """The ``mesh.spawn`` handle: ``call`` / ``call_one`` / ``remote`` as tdmesh spells them."""
         return self._handle
-
-    def _tdmesh_wire(self):  # an argument of a remote function: each rank's own object (``.value``)
-        return self._handle._tdmesh_wire()
-
-    @property
-    def _tdmesh_object_ref(self) -> int:
-        return self._handle._tdmesh_object_ref
-
-    @property
-    def mesh(self):
-        return self._handle.mesh
-
-    @property
-    def stream(self):
-        return self._handle.stream
 
     def call_method(self, method_name: str, propagation: Callable, *args, **kwargs):
         """``method_name(*args, **kwargs)`` on each rank's object; its tensors as mesh tensors shaped by

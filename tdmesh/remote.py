@@ -24,11 +24,13 @@ from .engine.issue import New, issue
 from .engine.placement import check_mutation
 from .engine.propagation import TensorMeta, meta_tensor, tensor_meta
 from .engine.stream import get_active_stream
-from .engine.tensor import Tensor
+from .engine.tensor import AliasSet, RefOwner, Tensor
 from .engine.wire import op_path, sealed_args
-from .errors import user_line
+from .errors import UsageError, user_line
+from .opaque_ref import handle_of
 from .protocol import messages as m
 from .protocol.codec import with_source
+from .protocol.resident import Resident
 
 __all__ = ["remote", "Remote", "function_path", "call_on_shard_and_fetch"]
 
@@ -156,23 +158,44 @@ def call_remote(fn: Remote, args: tuple, kwargs: dict, mesh=None):
         spec, out_leaves, mutated = _propagate_with(fn._propagate, args, kwargs)
     for t in mutated:
         check_mutation(t, fn)
-    outputs = [None if leaf is None or type(leaf) is Value else
+    outputs = [None if leaf is None or type(leaf) is Value or leaf is _OPAQUE else
                New(tensor_meta(leaf), source.aliases if source is not None else None) for leaf, source in out_leaves]
     sealed = sealed_args(args, kwargs)
-    expect = tuple(None if o is None else _expected(o.meta) for o in outputs)  # checked by the workers
+    expect = tuple(m.OPAQUE if leaf is _OPAQUE else None if o is None else _expected(o.meta)  # the workers check
+                   for (leaf, _), o in zip(out_leaves, outputs))
+    opaque = _opaque_owners(out_leaves, mesh)
 
     grad = torch.is_grad_enabled()  # the function runs in the caller's grad mode
 
     def build(seq, results, mutated_refs):
+        if opaque:
+            results = tuple(opaque[i].id if i in opaque else r for i, r in enumerate(results))
         return m.CallFunction(seq, results, mutated_refs, target, sealed, {}, stream.id, groups, grad, expect)
 
     proxies = issue(mesh, build, inputs=remote_args, outputs=outputs, mutated=mutated, device=mesh.client.device,
-                    stream=stream, uses=objects)
+                    stream=stream, uses=objects, defs=tuple(o.id for o in opaque.values()))
     if spec is None:
         return None
-    if any(type(leaf) is Value for leaf, _ in out_leaves):
-        proxies = [leaf.value if type(leaf) is Value else p for (leaf, _), p in zip(out_leaves, proxies)]
+    if opaque or any(type(leaf) is Value for leaf, _ in out_leaves):
+        proxies = [leaf.value if type(leaf) is Value else handle_of(opaque[i], mesh, stream) if i in opaque else p
+                   for i, ((leaf, _), p) in enumerate(zip(out_leaves, proxies))]
     return tree_unflatten(proxies, spec)
+
+
+_OPAQUE = object()  # an output leaf that is an OpaqueRef: a ref on the workers, a handle on the client
+
+
+def _opaque_owners(out_leaves, mesh) -> dict:
+    """A new ref (and its owner, which deletes it when the handle dies) for each OpaqueRef result."""
+    if not any(leaf is _OPAQUE for leaf, _ in out_leaves):
+        return {}
+    client = mesh.client
+    if client.sink is not client:
+        raise UsageError(f"a remote function that returns an OpaqueRef inside tdmesh.compile: objects are made "
+                         f"once, make them before the compiled function\n  at {user_line()}")
+    with client.lock:
+        return {i: RefOwner(client.new_ref(), mesh, AliasSet()) for i, (leaf, _) in enumerate(out_leaves)
+                if leaf is _OPAQUE}
 
 
 class Value(NamedTuple):
@@ -230,6 +253,8 @@ def _propagate_cached(fn: Remote, args, kwargs, flat, mesh):
             leaves.append((None, None))
         elif len(d) == 2:  # ("value", v): a result that is not a tensor, as the first rank returned it
             leaves.append((Value(d[1]), None))
+        elif len(d) == 1:  # (OPAQUE,): an OpaqueRef
+            leaves.append((_OPAQUE, None))
         else:
             size, stride, offset, dtype, alias = d
             meta = meta_tensor(TensorMeta(tuple(size), tuple(stride), offset, getattr(torch, dtype)))
@@ -259,12 +284,13 @@ def _propagate_with(propagate: Callable, args, kwargs):
         raise type(e)(f"{e}\n  (raised by the propagate function on the client)\n  at {user_line()}") from e
     mutated = [originals[id(t)] for t, v in zip(metas, versions) if t._version != v]
     flat_out, spec = tree_flatten(out)
-    leaves: list[tuple[torch.Tensor | None, Tensor | None]] = []
+    leaves: list[tuple[Any, Tensor | None]] = []  # a meta tensor, _OPAQUE or None; the input it aliases
     for x in flat_out:
-        if x is None:
-            leaves.append((None, None))
+        if x is None or type(x) is Resident:  # Resident: OpaqueRef(None), a handle of a worker's object
+            leaves.append((None if x is None else _OPAQUE, None))
             continue
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"the propagate function must return tensors (a pytree of them), got {type(x).__name__}")
+            raise TypeError(f"the propagate function must return tensors (a pytree of them) or OpaqueRef(None), got "
+                            f"{type(x).__name__}")
         leaves.append((x, originals.get(id(x))))
     return spec, leaves, mutated

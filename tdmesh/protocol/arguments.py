@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+# an entry of CallFunction.expect: the result is an OpaqueRef (a worker-resident box, protocol.resident), not a
+# tensor of (shape, dtype, layout)
+OPAQUE = "opaque"
+
 
 class MeshArg(NamedTuple):
     """A ``DeviceMesh`` argument; the worker substitutes its own view of that mesh."""

@@ -16,6 +16,7 @@ from ..geometry.slice import Slice
 
 # the argument values that messages carry, as m.MeshArg
 from .arguments import (  # noqa: F401
+    OPAQUE,
     DeviceName,
     GeneratorArg,
     MeshArg,
@@ -44,8 +45,8 @@ class CallFunction(NamedTuple):
     stream: int = 0
     process_groups: tuple[ProcessGroupArg, ...] = ()  # created, in order, before it runs
     grad: bool = True         # the client's grad mode: the worker records autograd as the client does
-    expect: tuple = ()        # a remote function's: (shape, dtype, layout names) per result (None: none) as its
-    # propagation described them; a result that differs is the function's error, not a silent desync
+    expect: tuple = ()        # a remote function's: (shape, dtype, layout names) per result (None: none; OPAQUE:
+    # an OpaqueRef) as its propagation described them; a result that differs is the function's error, not a desync
 
 
 class Slot(NamedTuple):

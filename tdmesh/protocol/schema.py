@@ -110,8 +110,9 @@ FACTORIES = Kind(f"a tuple of at most {MAX_ITEMS} (shape, dtype) pairs",
 PROCESS_GROUPS = Kind(f"a tuple of at most {MAX_ITEMS} ProcessGroupArgs",
                       lambda v: type(v) is tuple and _sized(v) and all(type(x) is m.ProcessGroupArg for x in v))
 ANY = Kind("anything", lambda v: True)
-EXPECTED = Kind(f"a tuple of at most {MAX_ITEMS} (shape, dtype, layout) triples or Nones",
-                lambda v: type(v) is tuple and _sized(v) and all(x is None or _is_expected(x) for x in v))
+EXPECTED = Kind(f"a tuple of at most {MAX_ITEMS} (shape, dtype, layout) triples, {m.OPAQUE!r}s or Nones",
+                lambda v: type(v) is tuple and _sized(v) and all(x is None or x == m.OPAQUE or _is_expected(x)
+                                                                  for x in v))
 NONCE = Kind("bytes of at most 64", lambda v: type(v) is bytes and len(v) <= 64)
 OPT_BYTES = Kind("bytes or None", lambda v: v is None or type(v) is bytes)
 FETCHED = Kind("bytes, (bytes, buffer, ...) or None",  # codec.pickle_value: big buffers come in a bulk frame

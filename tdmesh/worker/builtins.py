@@ -12,6 +12,8 @@ import tempfile
 import torch
 
 from ..protocol.codec import describe_tensor
+from ..protocol.messages import OPAQUE
+from ..protocol.resident import Resident
 
 _levels_before: dict[str, int] = {}  # logger name -> its level before this session's set_log_level
 
@@ -62,9 +64,9 @@ def probe(target, args, kwargs):
     """Run ``target`` once for real and describe its outputs: the client's cached propagation.
 
     Returns ``(output tree spec, leaves, mutated)``: each leaf is ``None``, ``(size, stride, offset, dtype,
-    aliased input index)`` for a tensor, or ``("value", v)`` for any other picklable value (Monarch's
-    semantics: the client's result holds this rank's value, cached with the call's key); ``mutated`` lists
-    the inputs it wrote in place.
+    aliased input index)`` for a tensor, ``("opaque",)`` for an OpaqueRef (a handle on the client), or
+    ``("value", v)`` for any other picklable value (Monarch's semantics: the client's result holds this rank's
+    value, cached with the call's key); ``mutated`` lists the inputs it wrote in place.
     """
     import torch.distributed as dist
     from torch.utils._pytree import tree_flatten, treespec_dumps
@@ -83,6 +85,8 @@ def probe(target, args, kwargs):
     for leaf in leaves:
         if leaf is None:
             described.append(None)
+        elif type(leaf) is Resident:  # an OpaqueRef: the client allocates a ref for it
+            described.append((OPAQUE,))
         elif isinstance(leaf, torch.Tensor):
             ptr = leaf.untyped_storage().data_ptr()
             alias = next((i for i, p in enumerate(storages) if p == ptr and p != 0), None)

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from ..errors import TdmeshError
 from ..protocol import messages as m
 from ..protocol.codec import pack_tensor, plain_tensor
+from ..protocol.resident import Resident
 from .streams import Stream
 
 __all__ = ["Poison", "DependentOnError", "BorrowSlot", "DeviceBroken", "device_is_broken", "event_on", "unseal",
@@ -115,6 +116,14 @@ def held_results(value, expect: tuple, function):
     for i, (leaf, want) in enumerate(zip(leaves, expect)):
         if want is None:
             continue
+        if want == m.OPAQUE:  # an OpaqueRef the client holds a handle of: the box is bound to its ref
+            if type(leaf) is not Resident:
+                raise TypeError(f"result {i} of {_name(function)} is a {type(leaf).__name__}, where its propagation "
+                                f"described an OpaqueRef: return tdmesh.OpaqueRef(obj) there")
+            continue
+        if type(leaf) is Resident:
+            raise TypeError(f"result {i} of {_name(function)} is an OpaqueRef, where its propagation described a "
+                            f"tensor: describe it as OpaqueRef(None) in the propagate function")
         shape, dtype, layout = want
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"result {i} of {_name(function)} is a {type(leaf).__name__}, where its propagation "
