@@ -79,7 +79,7 @@ VARIABLES = {
                               "empty: to its stderr"),
     "TDMESH_TEST_MESH": ("2x2", "tests only: HOSTSxGPUS, the mesh of the collective and stream suites"),
     "TDMESH_TEST_TIMEOUT": ("600", "tests only: seconds a test may run before it fails with its stacks (0: none)"),
-    "TDMESH_DIFFERENTIAL_EXAMPLES": ("300", "tests only: examples of the eager-vs-compiled differential test"),
+    "TDMESH_DIFFERENTIAL_EXAMPLES": ("150", "tests only: examples of the eager-vs-compiled differential test"),
     "TDMESH_DIFFERENTIAL_SEED": ("26", "tests only: hypothesis's seed for the differential test"),
 }
 

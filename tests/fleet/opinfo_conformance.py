@@ -71,12 +71,21 @@ def _ship_tensor(mesh, t: torch.Tensor):
 
 def conformance(mesh, device: str = "cpu", dtype: torch.dtype = torch.float32,
                 only: set[str] | None = None, layout: str = "as_given") -> list[Outcome]:
-    """Every sample's outcome, op by op.  The samples of ``OPS_PER_ROUND`` ops are issued before
-    any of their results is fetched (a fetch resolves in stream order, so each sees its own op's
+    """Every sample's outcome, op by op, with its inputs laid out as ``layout`` says."""
+    return conformance_layouts(mesh, device, dtype, only, (layout,))[layout]
+
+
+def conformance_layouts(mesh, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        only: set[str] | None = None,
+                        layouts: tuple[str, ...] = ("as_given",)) -> dict[str, list[Outcome]]:
+    """Every sample's outcome in each layout, from one pass over the database (each sample made once).  A
+    ``permuted`` sample whose tensors permuting leaves as they were (none of 2 dims or more) is the ``as_given``
+    one again: run once, counted under ``as_given`` when both run.  The samples of ``OPS_PER_ROUND`` ops are
+    issued before any of their results is fetched (a fetch resolves in stream order, so each sees its own op's
     result; a failed op fails only what depends on it): one round trip per round, not per sample."""
     from torch.testing._internal.common_methods_invocations import op_db
-    outcomes: list[Outcome] = []
-    pending: list[tuple[str, int, object, object]] = []  # (op, sample, future or error text, expected)
+    outcomes: dict[str, list[Outcome]] = {layout: [] for layout in layouts}
+    pending: list[tuple[str, str, int, object, object]] = []  # (layout, op, sample, future or error, expected)
     with _without_absent_device_seeding(device):
         for op in op_db:
             name = op.name if not op.variant_test_name else f"{op.name}.{op.variant_test_name}"
@@ -90,19 +99,22 @@ def conformance(mesh, device: str = "cpu", dtype: torch.dtype = torch.float32,
                 samples = list(op.sample_inputs(device, dtype, requires_grad=False))[:SAMPLES_PER_OP]
             except Exception:  # noqa: BLE001 - the database cannot make inputs for this op here
                 continue
-            for i, sample in enumerate(samples):
-                try:
-                    sample = _laid_out(sample, layout)
-                except Exception:  # noqa: BLE001 - OpInfo cannot lay this sample out so (sparse tensors)
-                    continue
-                try:
-                    expected = op(sample.input, *sample.args, **sample.kwargs)
-                except Exception:  # noqa: BLE001 - local torch refuses this input: nothing to compare
-                    continue
-                pending.append((name, i, _issue(mesh, op, sample), expected))
-            if len({p[0] for p in pending}) >= OPS_PER_ROUND:
-                outcomes.extend(_settle(pending))
-        outcomes.extend(_settle(pending))
+            for i, given in enumerate(samples):
+                for layout in layouts:
+                    try:
+                        sample = _laid_out(given, layout)
+                    except Exception:  # noqa: BLE001 - OpInfo cannot lay this sample out so (sparse tensors)
+                        continue
+                    if layout == "permuted" and "as_given" in layouts and _same_layout(sample, given):
+                        continue
+                    try:
+                        expected = op(sample.input, *sample.args, **sample.kwargs)
+                    except Exception:  # noqa: BLE001 - local torch refuses this input: nothing to compare
+                        continue
+                    pending.append((layout, name, i, _issue(mesh, op, sample), expected))
+            if len({p[1] for p in pending}) >= OPS_PER_ROUND:
+                _settle(pending, outcomes)
+        _settle(pending, outcomes)
     return outcomes
 
 
@@ -125,6 +137,14 @@ def _permuted(t):
     return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
+def _same_layout(a, b) -> bool:
+    """Whether two samples' tensors have the same strides and offsets (the same tensors, laid out alike)."""
+    def layout(sample):
+        return [(t.stride(), t.storage_offset()) if t.layout is torch.strided else None
+                for t in tree_flatten((sample.input, sample.args, sample.kwargs))[0] if isinstance(t, torch.Tensor)]
+    return layout(a) == layout(b)
+
+
 def _strides(value) -> list:
     """(size, stride) of each dim longer than 1, per tensor leaf of ``value`` (None: not strided)."""
     leaves = tree_flatten(value)[0]
@@ -144,12 +164,11 @@ def _issue(mesh, op, sample):
         return _error_text(e)
 
 
-def _settle(pending: list) -> list[Outcome]:
-    """The outcomes of the issued samples (and ``pending`` emptied)."""
-    out = [Outcome(name, i, _compare(issued, expected), _compare_strides(issued, expected))
-           for name, i, issued, expected in pending]
+def _settle(pending: list, outcomes: dict) -> None:
+    """The outcomes of the issued samples, each under its layout (and ``pending`` emptied)."""
+    for layout, name, i, issued, expected in pending:
+        outcomes[layout].append(Outcome(name, i, _compare(issued, expected), _compare_strides(issued, expected)))
     pending.clear()
-    return out
 
 
 def _compare_strides(issued, expected) -> str | None:

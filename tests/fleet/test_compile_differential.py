@@ -4,7 +4,7 @@ accumulation, state made lazily inside the step, host reads, shapes the data dec
 CPU mesh, eagerly and under ``tdmesh.compile`` from its first call.  After every step the
 losses, parameters, gradients, buffers and optimizer state of both ranks must be identical.
 
-``TDMESH_DIFFERENTIAL_EXAMPLES`` sets the number of examples (CI: 300) and
+``TDMESH_DIFFERENTIAL_EXAMPLES`` sets the number of examples (CI: 150) and
 ``TDMESH_DIFFERENTIAL_SEED`` hypothesis's seed (CI: 26).
 """
 
