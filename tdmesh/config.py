@@ -53,6 +53,8 @@ VARIABLES = {
                                          "open (at least 1)"),
     "TDMESH_FAIL_ON_OPERATION_TIMEOUT": ("0", "ControllerParams.fail_on_operation_timeout: 1 makes a stuck op a "
                                               "DeviceException"),
+    "TDMESH_SPARES": ("0", "under torchrun: how many of the WORLD_SIZE ranks (the last ones) stay outside world_mesh() "
+                           "as spares, connected and authenticated like the others (local_mesh takes spares=)"),
     "TDMESH_RELAYS": ("auto", "per-host relays: 'auto' (when the job spans hosts, or its one host has a core for each "
                               "rank and the client), '1' or '0' (every rank connects to the client itself); attach "
                               "mode never uses them"),

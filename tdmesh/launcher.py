@@ -26,7 +26,7 @@ from enum import Enum
 import torch
 from torch.distributed import TCPStore
 
-from .config import cpu_forced
+from .config import cpu_forced, env_int
 from .engine.client import Client
 from .engine.propagation import warm_up
 from .errors import UsageError
@@ -99,16 +99,20 @@ def describe_failures(processes, log_files: dict, dead: list[int] | None = None)
 
 def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, logging: LoggingLocation,
                        log_dir: str | None, device_offset: int = 0, supervision=None, controller=None,
-                       pool: bool = True) -> Fleet:
-    """``log_dir=None`` with ``FILE``: a new temporary directory, or warm workers' own."""
+                       pool: bool = True, spares: int = 0) -> Fleet:
+    """``log_dir=None`` with ``FILE``: a new temporary directory, or warm workers' own.  ``spares``: that many
+    more workers, ranks after the mesh's (on a GPU host each shares a mesh rank's device, in turn)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
     if hosts < 1 or gpus_per_host < 1:
         raise ValueError(f"local_mesh needs hosts >= 1 and gpus_per_host >= 1, got hosts={hosts}, "
                          f"gpus_per_host={gpus_per_host}")
-    world = hosts * gpus_per_host
+    if spares < 0:
+        raise ValueError(f"local_mesh needs spares >= 0, got {spares}")
+    mesh_size = hosts * gpus_per_host
+    world = mesh_size + spares
     cuda = torch.cuda.is_available() and not cpu_forced()
-    if cuda and device_offset + world > torch.cuda.device_count():
+    if cuda and device_offset + mesh_size > torch.cuda.device_count():
         raise ValueError(f"local_mesh asks for {world} GPU workers but only "
                          f"{torch.cuda.device_count() - device_offset} CUDA devices are free")
     backend = backend or ("nccl" if cuda else "gloo")
@@ -119,13 +123,14 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, logg
     inherited = frozenset(kv for kv in os.environ.items() if not kv[0].startswith("TORCHINDUCTOR_"))
     # a warm worker's output stays where it was redirected when it started: only the same logging setup reuses it
     logs = (logging.value, log_dir)
-    key = (hosts, gpus_per_host, backend, cuda, device_offset, logs, tuple(sys.path), inherited) if pool else None
+    key = (hosts, gpus_per_host, spares, backend, cuda, device_offset, logs, tuple(sys.path), inherited) if pool \
+        else None
     parked = warm_pool.take(key) if key is not None and warm_pool.idle_timeout() > 0 else None
     if parked is not None:
         parked.store.set(parked.scope + warm_pool.NEXT_JOB, scope)  # the parked workers join this job
         return _accept(hosts, gpus_per_host, parked.processes, parked.store, scope, parked.log_files,
                        supervision, controller, key, f"from the warm pool ({hosts} host x {gpus_per_host}, {backend})",
-                       cuda)
+                       cuda, spares)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=1800))
     base_env = {
         "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(gpus_per_host),
@@ -143,7 +148,7 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, logg
     envs = {}
     for rank in range(world):
         env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank % gpus_per_host),
-                   GROUP_RANK=str(rank // gpus_per_host), TDMESH_DEVICE_INDEX=str(device_offset + rank))
+                   GROUP_RANK=str(rank // gpus_per_host), TDMESH_DEVICE_INDEX=str(device_offset + rank % mesh_size))
         envs[rank] = env
     to_files = logging is LoggingLocation.FILE
     owned_dir = None
@@ -166,17 +171,19 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, logg
         for rank in range(world):
             log_files[rank] = processes.stderrs.get(rank) if hasattr(processes, "stderrs") else None
     return _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervision, controller, key,
-                   f"({hosts} host x {gpus_per_host}, {backend})", cuda)
+                   f"({hosts} host x {gpus_per_host}, {backend})", cuda, spares)
 
 
 def _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervision, controller, pool_key,
-            how: str, cuda: bool) -> Fleet:
+            how: str, cuda: bool, spares: int = 0) -> Fleet:
     """The common end of a local fleet's start: fresh or warm workers connect to a new client."""
-    world = hosts * gpus_per_host
+    mesh_size = hosts * gpus_per_host
+    world = mesh_size + spares
     # torch elastic writes LOG_DIR/RUN_ID/attempt_0/RANK/std{out,err}.log: the folder of every rank's
     log_dir = os.path.dirname(os.path.dirname(log_files[0])) if log_files.get(0) else None
-    print(f"tdmesh: {world} {'GPU' if cuda else 'CPU'} workers {how}; worker logs: {log_dir or 'this terminal'}",
-          file=sys.stderr, flush=True)
+    extra = f" + {spares} spare{'s' if spares > 1 else ''}" if spares else ""
+    print(f"tdmesh: {mesh_size} {'GPU' if cuda else 'CPU'} workers{extra} {how}; worker logs: "
+          f"{log_dir or 'this terminal'}", file=sys.stderr, flush=True)
 
     dead: list[int] = []
 
@@ -192,17 +199,21 @@ def _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervisio
     hellos = {r: h._replace(log=log_files.get(r) or h.log) for r, h in hellos.items()}
     client = Client(conns, hellos, log_dir=log_dir, supervision=supervision, controller=controller,
                     process_failure=failed, relays=relays, failed_ranks=lambda: tuple(dead))
-    return Fleet(client, processes, store, log_files, gate, pool_key=pool_key, scope=scope)
+    return Fleet(client, processes, store, log_files, gate, pool_key=pool_key, scope=scope,
+                 spares=tuple(range(mesh_size, world)))
 
 
 def _mesh_for(fleet: Fleet, hosts: int, gpus_per_host: int) -> DeviceMesh:
-    return DeviceMesh(Shape(("host", "gpu"), Slice.new_row_major([hosts, gpus_per_host])), fleet.client, fleet=fleet)
+    """The fleet's mesh: ranks ``0..hosts*gpus_per_host-1``; the fleet's spares (the ranks after) stay outside."""
+    mesh = DeviceMesh(Shape(("host", "gpu"), Slice.new_row_major([hosts, gpus_per_host])), fleet.client, fleet=fleet)
+    fleet.mesh = mesh
+    return mesh
 
 
 @contextlib.contextmanager
 def local_mesh(hosts: int = 1, gpus_per_host: int | None = None, *, backend: str | None = None,
                logging: LoggingLocation | None = None, log_dir: str | None = None, supervision=None,
-               controller=None, pool: bool = True) -> Iterator[DeviceMesh]:
+               controller=None, pool: bool = True, spares: int = 0) -> Iterator[DeviceMesh]:
     """A mesh of ``hosts x gpus_per_host`` worker processes on this machine.
 
     ``gpus_per_host=None`` means the visible CUDA devices, or 2 CPU workers without CUDA.
@@ -212,17 +223,20 @@ def local_mesh(hosts: int = 1, gpus_per_host: int | None = None, *, backend: str
     ``LoggingLocation.FILE`` writes each worker's stdout and stderr to files under ``log_dir``
     (a new temporary directory if it is None); left out, it is FILE when ``log_dir`` is given.
     The startup line says where the logs are.  Leaving the block shuts the fleet down and
-    raises any remote error nobody observed.
+    raises any remote error nobody observed.  ``spares``: that many more worker processes, started,
+    connected and authenticated like the others but outside the mesh (ranks after its own), ready to
+    take a dead worker's place (``tdmesh.FaultTolerance``).
     """
     with local_meshes(1, hosts, gpus_per_host, backend=backend, logging=logging, log_dir=log_dir,
-                      supervision=supervision, controller=controller, pool=pool) as meshes:
+                      supervision=supervision, controller=controller, pool=pool, spares=spares) as meshes:
         yield meshes[0]
 
 
 @contextlib.contextmanager
 def local_meshes(meshes: int = 2, hosts_per_mesh: int = 1, gpus_per_host: int | None = None, *,
                  backend: str | None = None, logging: LoggingLocation | None = None, log_dir: str | None = None,
-                 supervision=None, controller=None, pool: bool = True) -> Iterator[list[DeviceMesh]]:
+                 supervision=None, controller=None, pool: bool = True,
+                 spares: int = 0) -> Iterator[list[DeviceMesh]]:
     """Several independent fleets at once; a failure in one leaves the others usable.  With
     ``log_dir`` and more than one mesh, mesh ``i`` logs under ``log_dir/mesh<i>``."""
     location = _logging_location(logging, log_dir)
@@ -235,7 +249,7 @@ def local_meshes(meshes: int = 2, hosts_per_mesh: int = 1, gpus_per_host: int | 
             sub_dir = os.path.join(log_dir, f"mesh{i}") if log_dir and meshes > 1 else log_dir
             offset = i * hosts_per_mesh * gpus if torch.cuda.is_available() else 0
             fleets.append(_start_local_fleet(hosts_per_mesh, gpus, backend, location, sub_dir, offset, supervision,
-                                             controller, pool))
+                                             controller, pool, spares))
         result = [_mesh_for(f, hosts_per_mesh, gpus) for f in fleets]
     except BaseException:
         for f in fleets:
@@ -274,11 +288,26 @@ def connect_world() -> Fleet:
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     store = connect_store()
     warn_if_exposed(world, per_host)
+    hosts, gpus, spares = _world_shape(world, per_host, env_int("TDMESH_SPARES"))
     conns, hellos, gate, relays = accept_workers(store, world, host=controller_host(), bind="0.0.0.0",
                                                  meanwhile=warm_up)
-    fleet = Fleet(Client(conns, hellos, relays=relays), store=store, gate=gate)
-    _world = _mesh_for(fleet, world // per_host, per_host)
+    fleet = Fleet(Client(conns, hellos, relays=relays), store=store, gate=gate,
+                  spares=tuple(range(world - spares, world)))
+    _world = _mesh_for(fleet, hosts, gpus)
     return fleet
+
+
+def _world_shape(world: int, per_host: int, spares: int) -> tuple[int, int, int]:
+    """(hosts, ranks per host, spares) of a torchrun job's mesh: the last ``spares`` ranks stay outside it."""
+    kept = world - spares
+    if spares < 0 or kept < 1:
+        raise UsageError(f"TDMESH_SPARES={spares} must leave at least one of the job's {world} ranks in the mesh")
+    if kept % per_host == 0:
+        return kept // per_host, per_host, spares
+    if world == per_host:  # one host: its first ranks
+        return 1, kept, spares
+    raise UsageError(f"TDMESH_SPARES={spares} leaves {kept} ranks, not whole hosts of {per_host}: on several hosts "
+                     f"keep whole hosts' ranks as spares (a multiple of --nproc_per_node)")
 
 
 @contextlib.contextmanager

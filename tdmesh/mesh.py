@@ -180,7 +180,9 @@ class DeviceMesh:
             self.client.shutdown(error)
 
     def __repr__(self) -> str:
-        return f"<DeviceMesh {self._shape} ranks {_ranks_text(self._shape)}>"
+        spares = self.fleet.spares if self.fleet is not None and self.fleet.mesh is self else ()
+        beside = f", spares {_ranks_text_of(spares)}" if spares else ""
+        return f"<DeviceMesh {self._shape} ranks {_ranks_text(self._shape)}{beside}>"
 
     def __str__(self) -> str:
         return f"DeviceMesh {self._shape}\n{self.to_table()}"
@@ -263,7 +265,11 @@ _process_idx = Remote("tdmesh.worker.builtins.process_idx", propagate=lambda *a:
 
 
 def _ranks_text(shape: Shape) -> str:
-    ranks = shape.ranks()
+    return _ranks_text_of(shape.ranks())
+
+
+def _ranks_text_of(ranks) -> str:
+    ranks = list(ranks)
     if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}..{ranks[-1]}"
     if len(ranks) > 12:

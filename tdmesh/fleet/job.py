@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ..config import env_float
 from ..engine.client import Client
@@ -256,8 +257,11 @@ class Fleet:
     """Owns a client and (for local meshes) the worker processes; ``exit`` is idempotent."""
 
     def __init__(self, client: Client, processes=None, store=None, log_files: dict | None = None,
-                 gate: Gatekeeper | None = None, pool_key: tuple | None = None, scope: str = "") -> None:
+                 gate: Gatekeeper | None = None, pool_key: tuple | None = None, scope: str = "",
+                 spares: tuple[int, ...] = ()) -> None:
         self.client = client
+        self.spares = spares  # connected ranks outside the mesh, ready to take a dead worker's place
+        self.mesh: Any = None  # the fleet's own mesh (launcher._mesh_for): its repr names the spares
         self.pool_key = pool_key  # a local fleet that may park its workers in the warm pool
         self.scope = scope
         self.gate = gate
