@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import queue
 import sys
 import threading
 import time
@@ -34,7 +33,7 @@ from .future import Future
 from .history import History
 from .observation import Observations
 from .outbox import Outbox, flush_interval
-from .reader import read_loop
+from .reader import Inbox, read_loop
 from .supervisor import FleetFailure, FleetInfo, Supervisor, WorkerLost
 from .tasks import Tasks
 
@@ -82,7 +81,7 @@ class Client:
         self.sink = self                          # where issued ops go: a Recorder while tracing,
         self.delete_holder = None                 # which holds frees until its outcome is queued
         self.history = History(self.children)
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox = Inbox()
         self.failure: DeviceException | None = None
         self.closed = False
         self._on_shutdown = on_shutdown
@@ -222,15 +221,9 @@ class Client:
     def outstanding_work(self, frontier: int) -> bool:
         return self._next_seq > frontier
 
-    def _drain_inbox(self) -> None:
-        """Apply whatever replies already arrived, without waiting (caller holds the lock)."""
-        inbox = self.inbox
-        while not inbox.empty():
-            try:
-                rank, msg = inbox.get_nowait()
-            except queue.Empty:
-                return
-            self._apply(rank, msg)
+    def _drain_inbox(self) -> int:
+        """Apply whatever replies already arrived, without waiting (caller holds the lock); how many."""
+        return self.inbox.drain(self._apply)
 
     def ensure_groups(self, kind: str, stream: int, mesh=None, dims: tuple = (), ref=None,
                       to_stream=None) -> int:
@@ -314,14 +307,16 @@ class Client:
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             wait = remaining if until is None else _LOOK_AGAIN if remaining is None else min(_LOOK_AGAIN, remaining)
-            try:
-                rank, msg = self.inbox.get(timeout=wait) if wait != 0 else self.inbox.get_nowait()
-            except queue.Empty:  # with until: a probe's drain on another thread may have applied what this awaits,
+            inbox = self.inbox
+            arrived = not inbox.empty() or inbox.arrived.wait(wait)  # waited outside the lock, taken under it
+            if arrived:
+                with self.lock:
+                    inbox.arrived.clear()
+                    arrived = self._drain_inbox() > 0
+            if not arrived:  # with until: a probe's drain on another thread may have applied what this awaits,
                 if until is None or until() or wait == remaining:  # and a relay sends no Status that is not new
                     return
                 continue
-            with self.lock:
-                self._apply(rank, msg)
             if until is not None and until():
                 return
 

@@ -8,13 +8,50 @@ that worker's exit is reported), pdb's output, and the dashboard's samples and s
 
 from __future__ import annotations
 
+import queue
 import selectors
+import threading
 import time
 
 from ..errors import ProtocolError, ProtocolViolation
 from ..protocol import messages as m
 from ..protocol.schema import received_messages
 from .supervisor import WorkerLost
+
+
+class Inbox:
+    """Replies from the reader thread (and the supervisor's findings), applied under the client's lock in the
+    order they arrived: a waiting thread waits for arrivals outside the lock and takes them under it.  (When it
+    took one outside the lock, another thread's drain could apply a Status that came after it first: a fetch
+    then completed without its value.)"""
+    __slots__ = ("_queue", "arrived")
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.arrived = threading.Event()  # set by each put; cleared by the thread that drains
+
+    def put(self, item) -> None:
+        self._queue.put(item)
+        self.arrived.set()
+
+    def get_nowait(self):
+        return self._queue.get_nowait()
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    def drain(self, apply) -> int:
+        """``apply(rank, msg)`` each reply that already arrived, without waiting (the caller holds the client's
+        lock); how many."""
+        applied = 0
+        while not self._queue.empty():
+            try:
+                rank, msg = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            apply(rank, msg)
+            applied += 1
+        return applied
 
 
 def read_loop(client) -> None:

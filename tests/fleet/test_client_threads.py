@@ -112,3 +112,31 @@ def test_a_wait_returns_when_another_thread_applied_what_it_awaits(mesh2x2):
         waiter.join(10)
         assert waited == [True], "the wait did not return though what it awaits was applied"
         assert torch.equal(future.result(), torch.full((3,), 2.0))
+
+
+def test_replies_apply_in_arrival_order_while_another_thread_probes():
+    """The supervisor's probes drain replies on their own thread while the user's thread waits for a fetch: a
+    waiting thread that took a reply off the inbox outside the client's lock let such a drain apply the Status
+    behind it first, and the fetch completed without its value ("internal error: seq N completed without a
+    value", 321 of 5,000 fetches here before the fix).  Every fetch gives its value."""
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh, mesh.activate():
+        client = mesh.client
+        stop = threading.Event()
+
+        def probe() -> None:
+            while not stop.is_set():
+                client.send_probe()  # what the supervisor does when the user sends nothing for a while
+                time.sleep(0.0002)
+
+        probers = [threading.Thread(target=probe) for _ in range(2)]
+        for t in probers:
+            t.start()
+        try:
+            x = torch.zeros(())
+            for i in range(1, 2001):
+                x = x + 1
+                assert inspect(x).item() == i
+        finally:
+            stop.set()
+            for t in probers:
+                t.join()
