@@ -111,7 +111,8 @@ def conformance_layouts(mesh, device: str = "cpu", dtype: torch.dtype = torch.fl
                         expected = op(sample.input, *sample.args, **sample.kwargs)
                     except Exception:  # noqa: BLE001 - local torch refuses this input: nothing to compare
                         continue
-                    pending.append((layout, name, i, _issue(mesh, op, sample), expected))
+                    pending.append((layout, name, i, _issue(mesh, op, sample), expected,
+                                    lambda op=op, sample=sample: op(sample.input, *sample.args, **sample.kwargs)))
             if len({p[1] for p in pending}) >= OPS_PER_ROUND:
                 _settle(pending, outcomes)
         _settle(pending, outcomes)
@@ -165,10 +166,28 @@ def _issue(mesh, op, sample):
 
 
 def _settle(pending: list, outcomes: dict) -> None:
-    """The outcomes of the issued samples, each under its layout (and ``pending`` emptied)."""
-    for layout, name, i, issued, expected in pending:
-        outcomes[layout].append(Outcome(name, i, _compare(issued, expected), _compare_strides(issued, expected)))
+    """The outcomes of the issued samples, each under its layout (and ``pending`` emptied).  A sample whose mesh
+    result differs is run locally once more: where local torch does not give its own result again (torch
+    2.14.1's CPU flash attention on channels-last inputs), there is nothing to compare with, and the sample is
+    left out as one local torch refuses is, and noted in ``UNREPRODUCIBLE``."""
+    for layout, name, i, issued, expected, again in pending:
+        error = _compare(issued, expected)
+        if error is not None and error.startswith("different result") and not _reproducible(expected, again):
+            UNREPRODUCIBLE.append(f"{layout} {name}[{i}]")
+            continue
+        outcomes[layout].append(Outcome(name, i, error, _compare_strides(issued, expected)))
     pending.clear()
+
+
+UNREPRODUCIBLE: list[str] = []  # samples whose local result changes from run to run (see _settle)
+
+
+def _reproducible(expected, again) -> bool:
+    try:
+        torch.testing.assert_close(again(), expected, equal_nan=True, rtol=0, atol=0)
+    except Exception:  # noqa: BLE001 - another value, or the second run raised
+        return False
+    return True
 
 
 def _compare_strides(issued, expected) -> str | None:
