@@ -15,7 +15,7 @@ import traceback
 
 from ..errors import RemoteException
 
-STATES = ("running", "idle", "parked", "in pdb", "stuck", "dead", "exited", "starting")
+STATES = ("running", "idle", "spare", "parked", "in pdb", "stuck", "dead", "exited", "starting")
 TIMELINE_SECONDS = 300  # the chart's span: the last five minutes
 LOG_LINES_SHOWN = 50
 
@@ -77,8 +77,9 @@ def child_of(client, rank: int) -> int:
     return rank
 
 
-def rank_state(client, rank: int, sample, operation_timeout: float, dead=()) -> str:
-    """``dead``: ranks the launcher saw fail (a death the supervisor noticed before any connection closed)."""
+def rank_state(client, rank: int, sample, operation_timeout: float, dead=(), spares=()) -> str:
+    """``dead``: ranks the launcher saw fail (a death the supervisor noticed before any connection closed);
+    ``spares``: the fleet's spare workers (outside the mesh: "spare" where another rank would be "idle")."""
     obs = client.observations
     if rank in obs.lost_ranks or rank in dead:
         return "dead"
@@ -93,7 +94,7 @@ def rank_state(client, rank: int, sample, operation_timeout: float, dead=()) -> 
         return "stuck"
     if any(s[2] >= 0 or s[1] > 0 for s in streams):
         return "running"
-    return "idle"
+    return "spare" if rank in spares else "idle"
 
 
 def error_view(exc: BaseException | None) -> dict | None:
@@ -119,6 +120,7 @@ def fleet_view(client, mesh, timeline: Timeline | None) -> dict:
     now = time.monotonic()
     failed_ranks = client.info.failed_ranks
     dead = failed_ranks() if client.failure is not None and failed_ranks is not None else ()
+    spares = mesh.fleet.spares if mesh.fleet is not None else ()
     ranks = []
     for rank in client.ranks:
         hello = client.hellos[rank]
@@ -128,7 +130,7 @@ def fleet_view(client, mesh, timeline: Timeline | None) -> dict:
         completed = progress.get(key, 0)
         entry = {
             "rank": rank, "host": host_of.get(rank, 0), "hostname": hello.hostname, "pid": hello.pid,
-            "device": hello.device, "state": rank_state(client, rank, sample, operation_timeout, dead),
+            "device": hello.device, "state": rank_state(client, rank, sample, operation_timeout, dead, spares),
             "completed": completed, "behind": max(0, issued - completed),
             "ops_per_second": round(completed_rates.get(key, 0.0), 1),
             "sampled_ago": None if seen is None else round(now - seen[0], 1),

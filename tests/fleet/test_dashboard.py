@@ -152,6 +152,16 @@ def test_a_parked_fleet_shows_parked_after_its_mesh_exits():
         tdmesh.pool.clear()
 
 
+def test_a_spare_worker_shows_as_spare():
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2, spares=1, pool=False) as mesh:
+        url = tdmesh.dashboard(mesh=mesh)
+        try:
+            view = wait_for_view(url, lambda v: states(v) == ["idle", "idle", "spare"])
+            assert [r["rank"] for r in view["ranks"]] == [0, 1, 2] and "spare" in view["states"]
+        finally:
+            stop_dashboard()
+
+
 def test_another_address_requires_the_job_token_and_loopback_refuses_foreign_hosts(fleet):
     url = tdmesh.dashboard(mesh=fleet)
     request = urllib.request.Request(url + "api/fleet", headers={"Host": "attacker.example:80"})

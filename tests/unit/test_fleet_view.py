@@ -57,6 +57,17 @@ def test_each_state_and_what_comes_first(state, kwargs, seen):
     assert rank_state(client(**kwargs), 0, seen, TIMEOUT) == state
 
 
+@pytest.mark.parametrize("state,kwargs,seen", [
+    ("spare", {}, IDLE),  # an idle spare is a spare...
+    ("running", {}, BUSY),  # ...and shows what else it does as any rank does
+    ("starting", {}, None),
+    ("dead", {"lost": {0}}, IDLE),
+    ("parked", {"closed": True, "parked": True}, IDLE),
+])
+def test_a_spare_is_spare_where_another_rank_would_be_idle(state, kwargs, seen):
+    assert rank_state(client(**kwargs), 0, seen, TIMEOUT, spares=(0,)) == state
+
+
 @given(lost=st.booleans(), closed=st.booleans(), parked=st.booleans(), pdb=st.booleans(),
        seen=st.sampled_from([None, IDLE, BUSY, STUCK]))
 def test_a_rank_the_launcher_saw_fail_is_dead_whatever_else_the_client_knows(lost, closed, parked, pdb, seen):
