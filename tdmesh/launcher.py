@@ -113,7 +113,7 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, logg
     world = mesh_size + spares
     cuda = torch.cuda.is_available() and not cpu_forced()
     if cuda and device_offset + mesh_size > torch.cuda.device_count():
-        raise ValueError(f"local_mesh asks for {world} GPU workers but only "
+        raise ValueError(f"local_mesh asks for {mesh_size} GPU workers but only "
                          f"{torch.cuda.device_count() - device_offset} CUDA devices are free")
     backend = backend or ("nccl" if cuda else "gloo")
     run_id = f"tdmesh-{uuid.uuid4().hex[:12]}"

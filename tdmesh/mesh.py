@@ -181,8 +181,8 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         spares = self.fleet.spares if self.fleet is not None and self.fleet.mesh is self else ()
-        beside = f", spares {_ranks_text_of(spares)}" if spares else ""
-        return f"<DeviceMesh {self._shape} ranks {_ranks_text(self._shape)}{beside}>"
+        beside = f", spares {_ranks_text(spares)}" if spares else ""
+        return f"<DeviceMesh {self._shape} ranks {_ranks_text(self._shape.ranks())}{beside}>"
 
     def __str__(self) -> str:
         return f"DeviceMesh {self._shape}\n{self.to_table()}"
@@ -264,11 +264,7 @@ _mesh_rank = Remote("tdmesh.worker.builtins.mesh_rank", propagate=lambda *a: tor
 _process_idx = Remote("tdmesh.worker.builtins.process_idx", propagate=lambda *a: torch.empty((), dtype=torch.int64))
 
 
-def _ranks_text(shape: Shape) -> str:
-    return _ranks_text_of(shape.ranks())
-
-
-def _ranks_text_of(ranks) -> str:
+def _ranks_text(ranks) -> str:
     ranks = list(ranks)
     if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}..{ranks[-1]}"

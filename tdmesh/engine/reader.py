@@ -34,9 +34,6 @@ class Inbox:
         self._queue.put(item)
         self.arrived.set()
 
-    def get_nowait(self):
-        return self._queue.get_nowait()
-
     def empty(self) -> bool:
         return self._queue.empty()
 
