@@ -22,6 +22,7 @@ from .engine.future import Future, ValueMesh, as_completed
 from .engine.stream import Stream, get_active_stream
 from .engine.tensor import Tensor
 from .errors import DeviceException, PlacementError, RemoteException, TdmeshError, UsageError
+from .fault_tolerance import FaultTolerance, HealRecord
 from .geometry.shape import Shape, UnknownDimError
 from .geometry.slice import Slice
 from .gradients import grad_function, grad_generator, gradient_execution_order
@@ -51,5 +52,5 @@ __all__ = [
     "coalescing", "compile", "profile", "fetch_all",
     "show", "attach", "random", "UsageError", "ObjectHandle", "ObjectMethod", "set_log_level", "as_completed",
     "LoggingLocation", "checkpoint", "grad_generator", "grad_function", "gradient_execution_order",
-    "stacks", "dashboard", "stop_dashboard",
+    "stacks", "dashboard", "stop_dashboard", "FaultTolerance", "HealRecord",
 ]

@@ -140,6 +140,8 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, logg
     }
     if not cuda:
         base_env["TDMESH_DEVICE"] = "cpu"
+    if spares:  # a heal re-connects the workers: each its own connection (a relay would die with its host's first)
+        base_env["TDMESH_RELAYS"] = "0"
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: N workers must not each spin N threads
         base_env["OMP_NUM_THREADS"] = "1"
     # Workers import what the client can: functions travel by import path when they have one.
@@ -199,8 +201,11 @@ def _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervisio
     hellos = {r: h._replace(log=log_files.get(r) or h.log) for r, h in hellos.items()}
     client = Client(conns, hellos, log_dir=log_dir, supervision=supervision, controller=controller,
                     process_failure=failed, relays=relays, failed_ranks=lambda: tuple(dead))
-    return Fleet(client, processes, store, log_files, gate, pool_key=pool_key, scope=scope,
-                 spares=tuple(range(mesh_size, world)))
+    fleet = Fleet(client, processes, store, log_files, gate, pool_key=pool_key, scope=scope,
+                  spares=tuple(range(mesh_size, world)))
+    fleet.reconnect = dict(host="127.0.0.1", bind="127.0.0.1", alive=failed, log_dir=log_dir, process_failure=failed,
+                           failed_ranks=lambda: tuple(dead))
+    return fleet
 
 
 def _mesh_for(fleet: Fleet, hosts: int, gpus_per_host: int) -> DeviceMesh:

@@ -235,10 +235,37 @@ class SerialProcesses:
         self._pcontext = pcontext
         self._lock = threading.Lock()
         self.owned_dir = owned_dir  # torch elastic's run directory where tdmesh made it: removed at close
+        # healing (tdmesh.FaultTolerance): a dead worker must not stop the others, as elastic's poll does
+        self.tolerant = False
+        self.forgiven: set[int] = set()  # processes whose death was healed: no failure of the fleet's
 
     def wait(self, timeout: float = -1, period: float = 1):
         with self._lock:
+            if self.tolerant:
+                return self._tolerant_wait(timeout, period)
             return self._pcontext.wait(timeout=timeout, period=period)
+
+    def _tolerant_wait(self, timeout: float, period: float):
+        """Elastic's ``wait`` without its ``close`` of every process once one failed: the failures of the
+        processes not forgiven, or a result once all of them exited, or None."""
+        from torch.distributed.elastic.multiprocessing.api import ProcessFailure, RunProcsResult
+        handlers = self._pcontext.subprocess_handlers
+        deadline = time.monotonic() + (timeout if timeout >= 0 else float("inf"))
+        while True:
+            codes = {r: h.proc.poll() for r, h in handlers.items() if r not in self.forgiven}
+            failures = {r: ProcessFailure(local_rank=r, pid=handlers[r].proc.pid, exitcode=code,
+                                          error_file=self._pcontext.error_files[r])
+                        for r, code in codes.items() if code not in (None, 0)}
+            if failures or all(code is not None for code in codes.values()):
+                return RunProcsResult(failures=failures, stdouts=self._pcontext.stdouts,
+                                      stderrs=self._pcontext.stderrs)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(period)
+
+    def pid(self, index: int) -> int | None:
+        handler = getattr(self._pcontext, "subprocess_handlers", {}).get(index)
+        return handler.proc.pid if handler is not None else None
 
     def close(self, *args, **kwargs):
         with self._lock:
@@ -271,6 +298,10 @@ class Fleet:
         self.exited = False
         self.clean_exit = True
         self.quiet = False  # exit(client_raised=True): the workers leave without elastic's log lines
+        # healing (fleet/heal.py): how the workers reach a new client, its generation, each rank's process
+        self.reconnect: dict = {}
+        self.generation = 0
+        self.process_of = {r: r for r in client.ranks}  # rank -> the launcher's index of its process
 
     def drain(self, timeout: float = 60.0) -> None:
         """Wait until every op sent so far has run, so every remote error is known."""

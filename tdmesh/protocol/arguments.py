@@ -94,3 +94,8 @@ def worker_generator(key: int, device: str):
         import torch
         found = _worker_generators[(key, device)] = torch.Generator(device=device)
     return found
+
+
+def worker_generators() -> dict:
+    """Every copy of a client generator this worker holds, by (key, device): what a heal saves and restores."""
+    return _worker_generators

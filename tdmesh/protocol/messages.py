@@ -34,8 +34,8 @@ class Ref(NamedTuple):
 
 # --------------------------------------------------------------------- client -> worker
 class CallFunction(NamedTuple):
-    """Run ``function(*args, **kwargs)``; bind flattened results to ``results``
-    (``None`` slots are dropped); on failure poison ``results`` and ``mutates``."""
+    """Run ``function(*args, **kwargs)``; bind flattened results to ``results`` (``None`` slots dropped); on
+    failure poison ``results`` and ``mutates``."""
     seq: int
     results: tuple[int | None, ...]
     mutates: tuple[int, ...]
@@ -55,9 +55,8 @@ class Slot(NamedTuple):
 
 
 class DefineOp(NamedTuple):
-    """Sent to every rank once per op plan (an aten op and its argument metadata): ``op``
-    is the client's number for ``function(*args, **kwargs)``, where ``Slot``s mark the
-    tensors.  The worker turns it into straight-line code once; CallOps then name it."""
+    """Sent to every rank once per op plan (an aten op and its argument metadata): ``op`` is the client's number
+    for ``function(*args, **kwargs)``, ``Slot``s mark the tensors; the worker makes it straight-line code once."""
     op: int
     function: str             # an import path (aten or library op)
     args: tuple
@@ -67,10 +66,9 @@ class DefineOp(NamedTuple):
 
 
 class CallOp(NamedTuple):
-    """Run defined op ``op`` with ``refs`` in its slots; bind and poison as CallFunction.
-    The hot message of eager dispatch, so it travels as a bare tuple of ints (pickling a
-    NamedTuple costs ~1.3 us more, a fifth of an op's budget): the worker's ``handle`` takes
-    a plain tuple of this length as a CallOp, and recordings hold it as this record."""
+    """Run defined op ``op`` with ``refs`` in its slots; bind and poison as CallFunction.  The hot message of
+    eager dispatch, so it travels as a bare tuple of ints (pickling a NamedTuple costs ~1.3 us more, a fifth of
+    an op's budget): ``handle`` takes a plain tuple of this length as a CallOp; recordings hold this record."""
     seq: int
     op: int
     results: tuple[int | None, ...]
@@ -116,8 +114,7 @@ class ReduceMany(NamedTuple):
 
 
 class SendTensor(NamedTuple):
-    """``to_mesh``: ``from_ranks[i]`` sends ``tensor`` to ``to_ranks[i]``, which binds ``result``;
-    the ranks of ``zeros_on`` that receive nothing bind zeros (a gradient into a sliced tensor)."""
+    """``to_mesh``: ``from_ranks[i]`` sends ``tensor`` to ``to_ranks[i]`` (as ``result``); ``zeros_on`` get zeros."""
     seq: int
     result: int
     from_ranks: Slice
@@ -130,12 +127,10 @@ class SendTensor(NamedTuple):
 
 
 class CreateGroups(NamedTuple):
-    """Sent to every rank, once per key: create the process groups that ``key`` needs.
-
-    ``new_group`` is collective over the world, so every rank creates every group of the key
-    (``grouping.all_groups``) in the client's one order, members or not.  Kind "dims": the
-    groups over ``dims`` of ``mesh`` for ``stream``; "remote": the same, for the user-visible
-    group ``ref``; "p2p": one group of all ranks for ``to_mesh`` from ``stream`` to ``to_stream``."""
+    """Sent to every rank, once per key: create the process groups that ``key`` needs.  ``new_group`` is
+    collective over the world, so every rank creates every group of the key (``grouping.all_groups``) in the
+    client's one order, members or not.  Kind "dims": the groups over ``dims`` of ``mesh`` for ``stream``;
+    "remote": the same, for the user-visible group ``ref``; "p2p": all ranks, ``to_mesh`` to ``to_stream``."""
     kind: str
     stream: int
     mesh: Any = None
@@ -146,8 +141,7 @@ class CreateGroups(NamedTuple):
 
 
 class DropGroups(NamedTuple):
-    """Sent to every rank: destroy the process groups of the user-visible group ``ref``
-    (``RemoteProcessGroup.drop``), on each stream that has them, after the work queued there."""
+    """Destroy user-visible group ``ref``'s process groups (``RemoteProcessGroup.drop``), after the queued work."""
     ref: int
 
 
@@ -236,6 +230,13 @@ class Detach(NamedTuple):
 class Exit(NamedTuple):
     """Leave the message loop; ``error`` is why the client is shutting the fleet down."""
     error: Optional[str] = None
+
+
+class Heal(NamedTuple):
+    """A worker died: leave the session now, keep its tensors, join generation ``scope`` (``worker/healing``)."""
+    scope: str
+    ranks: tuple[tuple[int, int], ...]  # (rank now, rank in the new generation) for every live worker
+    world_size: int
 
 
 # --------------------------------------------------------------------- worker -> client
@@ -370,7 +371,7 @@ class DependentError(NamedTuple):
 
 CLIENT_TO_WORKER = (CallFunction, DefineOp, CallOp, SendValue, Reduce, ReduceMany, SendTensor, CreateGroups,
                     DropGroups, DefineRecording, CallRecording, BorrowCreate, BorrowFirstUse, BorrowLastUse, BorrowDrop,
-                    DeleteRefs, RequestStatus, DebuggerInput, Supervise, Observe, RequestStacks, Detach, Exit)
+                    DeleteRefs, RequestStatus, DebuggerInput, Supervise, Observe, RequestStacks, Detach, Exit, Heal)
 WORKER_TO_CLIENT = (Hello, Heartbeat, FetchResult, RemoteFunctionFailed, WorkerFailed, Status, TaskDone,
                     DebuggerRead, DebuggerDone, RelayHello, RanksLost, Sample, Stacks)
 RELAY_CONTROL = (RelayConfig,)

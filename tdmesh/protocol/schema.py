@@ -154,6 +154,7 @@ CLIENT_SCHEMA: dict[type, dict[str, Kind]] = {
     m.RequestStacks: dict(request=INT),
     m.Detach: dict(),
     m.Exit: dict(error=OPT_TEXT),
+    m.Heal: dict(scope=TEXT, ranks=TUPLE, world_size=INT),
 }
 
 WORKER_SCHEMA: dict[type, dict[str, Kind]] = {

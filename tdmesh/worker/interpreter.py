@@ -21,7 +21,7 @@ from ..errors import ProtocolViolation, RecordingError
 from ..protocol import messages as m
 from ..protocol.codec import pickle_value
 from ..protocol.lastop import Slot
-from . import collectives
+from . import collectives, healing
 from .backward import remote_results
 from .borrows import Borrows
 from .debugger import Console
@@ -73,7 +73,7 @@ class Interpreter:
         self.last_op = Slot(threaded)  # for the client's diagnosis if this process dies (protocol/lastop.py)
         self.caused_error = False
         self.fatal: BaseException | None = None
-        self.exit_request: m.Exit | m.Detach | None = None
+        self.exit_request: m.Exit | m.Detach | m.Heal | None = None
         self._handlers = {cls: getattr(self, cls.__name__) for cls in m.CLIENT_TO_WORKER}
         self._work: dict[type, Callable[[Any, Stream], None]] = {
             m.CallOp: self._call_op, m.CallFunction: self._call_function, m.Reduce: self._reduce,
@@ -209,19 +209,20 @@ class Interpreter:
     def RequestStacks(self, msg: m.RequestStacks) -> None:
         self.observer.stacks(msg)
 
-    def Detach(self, msg: m.Detach) -> None:
-        """Drain every stream, forget its values (threads of this session may outlive it by a
-        heartbeat) and end this session; the worker then waits for the next client."""
+    def Detach(self, msg: m.Detach | m.Exit) -> None:
+        """End the session once every stream drained and every async checkpoint is written; Detach forgets values."""
         for s in list(self.streams.values()):
             s.close()
-            s.env.clear()
+            if type(msg) is m.Detach:
+                s.env.clear()
         self.tasks.join()
         self.exit_request = msg
 
-    def Exit(self, msg: m.Exit) -> None:
-        for s in list(self.streams.values()):
-            s.close()
-        self.tasks.join()  # an async checkpoint being written is finished, not cut off
+    Exit = Detach
+
+    def Heal(self, msg: m.Heal) -> None:
+        """A worker died (``tdmesh.FaultTolerance``): leave now, keeping the state (``worker/healing``)."""
+        healing.leave(self)
         self.exit_request = msg
 
     # -- work (stream threads) -----------------------------------------------------------------
@@ -327,8 +328,8 @@ class Interpreter:
         return None
 
     def _unsupported_p2p(self, msg: m.SendTensor, stream: Stream) -> None:
-        error = NotImplementedError(f"to_mesh: rank {self.rank} would both send on stream {msg.from_stream} and "
-                                    f"receive on stream {msg.to_stream}; move within one stream")
+        error = NotImplementedError(f"to_mesh: rank {self.rank} would send on stream {msg.from_stream} and receive "
+                                    f"on stream {msg.to_stream}; move within one stream")
         self.fail(stream.env, msg.seq, (msg.result,), (), error, "to_mesh")
 
     def _delete_refs(self, msg: m.DeleteRefs, stream: Stream) -> None:

@@ -34,7 +34,7 @@ from ..protocol.rendezvous import (
 )
 from ..protocol.schema import check_client_message, record_name
 from ..protocol.transport import ProtocolError, RankFilter, connect
-from . import builtins
+from . import builtins, healing
 from .interpreter import Interpreter
 from .values import DeviceBroken
 
@@ -96,13 +96,19 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
             dist.destroy_process_group()
             return 0, True
         host, port, token = found
+        healing.protect(port, store_address()[1])  # connections a heal must not cut
         if world_size > 1 and env_str("TDMESH_RELAYS") in ("auto", "1"):
             host, port = _through_relay(store, rank, world_size, (host, port), token)
+            healing.protect(port)
         tune_worker()  # what this process holds now lives as long as it does: no full collection scans it
-        code, clean, detached = _session(rank, device, (host, port), token)
+        code, clean, end = _session(rank, device, (host, port), token)
+        if type(end) is m.Heal:  # a worker died: the next generation, on the same store
+            rank, world_size = _rejoin(end, rank)
+            kwargs = {}
+            continue
         if clean:
             dist.destroy_process_group()
-        if not (clean and detached and env_str("TDMESH_SCOPE")):
+        if not (clean and type(end) is m.Detach and env_str("TDMESH_SCOPE")):
             return code, clean
         scope = _park(store, device, seed)  # a local_mesh's warm worker: wait for the next job
         if scope is None:
@@ -111,18 +117,33 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
         kwargs = {}  # a warm worker's NCCL communicator is made at its first collective, not up front
 
 
-def _park(store, device: torch.device, seed: int) -> str | None:
-    """Between two local meshes (tdmesh.fleet.pool): forget the last job's caches, put torch's
-    global state back as a fresh process has it, and wait for the next job's scope."""
-    import gc
-
+def _forget_session() -> None:
+    """The last session's caches go: its groups' info, functions, mirrored graphs and interpreter."""
     from . import backward, collectives, functions
-    from .interpreter import Interpreter
     collectives.clear_group_info()
     functions.clear()
     backward.forget_mirroring()
     Interpreter.current = None  # the last session's interpreter: its recordings, CUDA graphs and their pools
     gc.collect()  # the last session's ref table sits in cycles (streams, threads): free its tensors now
+
+
+def _rejoin(msg: m.Heal, rank: int) -> tuple[int, int]:
+    """After ``Heal`` (``worker/healing.leave`` kept the state): leave the broken generation's process groups
+    (their connections are cut: destroying them does not wait) and take this process's rank in the next."""
+    dist.destroy_process_group()
+    _forget_session()
+    ranks = dict(msg.ranks)
+    if rank not in ranks:
+        raise ProtocolViolation(f"a Heal that gives rank {rank} no place: {msg.ranks}")
+    os.environ.update(RANK=str(ranks[rank]), WORLD_SIZE=str(msg.world_size), TDMESH_SCOPE=msg.scope)
+    log.info("rank %d: healing: rank %d of %d in %s", rank, ranks[rank], msg.world_size, msg.scope)
+    return ranks[rank], msg.world_size
+
+
+def _park(store, device: torch.device, seed: int) -> str | None:
+    """Between two local meshes (tdmesh.fleet.pool): forget the last job's caches, put torch's
+    global state back as a fresh process has it, and wait for the next job's scope."""
+    _forget_session()
     torch.manual_seed(seed)
     torch.set_default_dtype(torch.float32)
     torch.set_grad_enabled(True)
@@ -168,6 +189,7 @@ def _through_relay(store, rank: int, world_size: int, client: tuple[str, int], t
                       heartbeat_interval=env_float("TDMESH_HEARTBEAT_INTERVAL"),
                       heartbeat_timeout=env_float("TDMESH_HEARTBEAT_TIMEOUT"))
         store.set(key, f"{'127.0.0.1' if loopback else reachable_host()}:{relay.port}")
+        healing.protect(relay.port)
         parent = relay_parents(hosts, fanout)[host]
         parent_key = None if parent < 0 else f"{job_scope()}/relay/{parent}"
 
@@ -245,8 +267,8 @@ def _serve_attached(rank: int, world_size: int, device: torch.device, store) -> 
             continue
         host, port, token = found
         tune_worker()  # what this process holds now lives as long as it does: no full collection scans it
-        code, clean, detached = _session(rank, device, (host, port), token)
-        if not detached:
+        code, clean, end = _session(rank, device, (host, port), token)
+        if type(end) is not m.Detach:
             if clean:
                 dist.destroy_process_group()
             return code, clean
@@ -254,17 +276,18 @@ def _serve_attached(rank: int, world_size: int, device: torch.device, store) -> 
         session += 1
 
 
-def _session(rank: int, device: torch.device, address: tuple[str, int], token: str) -> tuple[int, bool, bool]:
-    """Serve the client at ``address`` (or this host's relay) until it says Exit or Detach:
-    returns (exit code, whether the client ended the session cleanly, whether it detached
-    (attach mode)).  Nothing is read from it before it proves it knows the job token."""
+def _session(rank: int, device: torch.device, address: tuple[str, int], token: str) -> tuple[int, bool, Any]:
+    """Serve the client at ``address`` (or this host's relay) until it says Exit, Detach or Heal:
+    returns (exit code, whether the client ended the session cleanly, the Detach (attach mode, the
+    warm pool) or Heal that ended it, else None).  Nothing is read from it before it proves it
+    knows the job token."""
     where = f"the tdmesh client (or relay) at {address[0]}:{address[1]}"
     try:
         conn = connect(*address)
         join(conn, token, m.Hello(rank, b"", "", socket.gethostname(), os.getpid(), str(device), log_file()), where)
     except (OSError, ProtocolError) as e:
         log.error("rank %d: %s", rank, e)
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, None
     send_lock = threading.Lock()
 
     def send(msg) -> None:  # called from any stream thread
@@ -289,7 +312,7 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
                 raise interp.fatal
             if msgs is None:
                 log.error("rank %d: the client closed the connection without Exit; leaving", rank)
-                return env_int("TDMESH_PEER_ERROR_EXIT_CODE"), False, False
+                return env_int("TDMESH_PEER_ERROR_EXIT_CODE"), False, None
             for msg in msgs:
                 check_client_message(msg)
                 try:
@@ -303,13 +326,13 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
                 raise interp.fatal
     except (ProtocolError, ProtocolViolation) as e:  # ProtocolError first: it is a ConnectionError too
         log.error("rank %d: leaving: the session broke the protocol: %s", rank, e)
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, None
     except ConnectionError as e:
         log.error("rank %d: leaving: the connection to the client failed: %s", rank, e)
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, None
     except Exception as e:  # noqa: BLE001 - a stream stopped on an error of its own: the same end
         log.error("rank %d: leaving: a stream stopped on %s: %s", rank, type(e).__name__, e)
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, None
     finally:
         conn.close()
         interp.last_op.close()
@@ -317,17 +340,17 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
         builtins.restore_log_levels()                # or attached worker serves another client next)
     if isinstance(interp.fatal, DeviceBroken):  # reported to the client as WorkerFailed
         log.error("rank %d: %s; the device is unusable, leaving", rank, interp.fatal)
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, False
-    if type(interp.exit_request) is m.Detach:
-        return 0, True, True
-    assert type(interp.exit_request) is m.Exit  # the loop ends only on Exit or Detach here
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, None
+    if type(interp.exit_request) in (m.Detach, m.Heal):
+        return 0, True, interp.exit_request
+    assert type(interp.exit_request) is m.Exit  # the loop ends only on Exit, Detach or Heal here
     if interp.exit_request.error is None:
-        return 0, True, False
+        return 0, True, None
     if interp.caused_error:
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), True, False
+        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), True, None
     if rank != 0 and not env_str("TDMESH_SCOPE"):
         wait_for_rank_0_to_leave()
-    return env_int("TDMESH_PEER_ERROR_EXIT_CODE"), True, False
+    return env_int("TDMESH_PEER_ERROR_EXIT_CODE"), True, None
 
 
 # Under torchrun rank 0's worker says on the job's store that it is about to exit (with the

@@ -8,6 +8,7 @@ streams only through borrows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -84,6 +85,20 @@ class Stream:
             self._on_fatal(e)
             return False
         return True
+
+    def abandon(self, timeout: float = 30.0) -> None:
+        """A heal (``worker/healing.leave``): drop the queued work, let the running item end (its collective's
+        connections were cut) and stop the thread; one still running after ``timeout`` ends the worker."""
+        if self._queue is None or self._thread is None:
+            return
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise RuntimeError(f"stream {self.id} did not stop within {timeout:g} s of a heal")
+        self._queue = None
 
     def close(self) -> None:
         """Finish the queued work and stop the thread."""

@@ -44,6 +44,7 @@ SAMPLES = {
     m.Detach: m.Detach(),
     m.Heartbeat: m.Heartbeat(3),
     m.Exit: m.Exit("the client hit an error"),
+    m.Heal: m.Heal("tdmesh/run/heal1", ((0, 0), (2, 1)), 2),
     m.Hello: m.Hello(2, b"n" * 16, "proof-123", "host-a", 4242, "cuda:1", "/tmp/worker2.log"),
     m.FetchResult: m.FetchResult(12, None, m.DependentError(10)),
     m.RemoteFunctionFailed: m.RemoteFunctionFailed(13, 1, "ValueError", "bad value",
@@ -88,6 +89,7 @@ FIELDS = {
     m.DebuggerRead: ("rank", "output"),
     m.DebuggerDone: ("rank", "output"),
     m.Exit: ("error",),
+    m.Heal: ("scope", "ranks", "world_size"),
     m.DefineRecording: ("recording", "commands", "formals", "results", "chunk", "total", "mode"),
     m.CallRecording: ("seq", "recording", "actuals", "results"),
     m.Supervise: ("heartbeat_interval",),
@@ -139,7 +141,7 @@ def test_direction_tables_are_exactly_the_documented_records():
                                   m.SendTensor, m.CreateGroups, m.DropGroups, m.DefineRecording, m.CallRecording,
                                   m.BorrowCreate, m.BorrowFirstUse, m.BorrowLastUse, m.BorrowDrop, m.DeleteRefs,
                                   m.RequestStatus, m.DebuggerInput, m.Supervise, m.Observe, m.RequestStacks,
-                                  m.Detach, m.Exit)
+                                  m.Detach, m.Exit, m.Heal)
     assert m.WORKER_TO_CLIENT == (m.Hello, m.Heartbeat, m.FetchResult, m.RemoteFunctionFailed, m.WorkerFailed,
                                   m.Status, m.TaskDone, m.DebuggerRead, m.DebuggerDone, m.RelayHello, m.RanksLost,
                                   m.Sample, m.Stacks)

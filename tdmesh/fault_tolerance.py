@@ -1,0 +1,208 @@
+"""``tdmesh.FaultTolerance``: a training step that survives a worker's death, healed without a restart.
+
+    ft = tdmesh.FaultTolerance(mesh, {"model": model, "opt": opt}, replicated="gpu")
+    for batch in data:
+        loss = ft.step(train_step, batch)
+
+``ft.step(fn, ...)`` runs one step.  Its first op copies the state's mesh tensors on each worker
+(``worker/healing.stash``) and the client notes the rest (``step_state.StepState``); as the step ends it
+waits for every op of it and fetches each worker's generator states.  If a worker dies in the step (killed,
+``os._exit``, a broken device, a missed heartbeat) the step's futures fail at once and the controller heals:
+the survivors leave the broken session, a spare takes the dead rank's number and every process group is
+formed again (``fleet/heal.py``), every rank's state goes back to the step's start — the new rank's copied
+from a replica along ``replicated`` — with the generators, and ``fn`` runs again.  A healed job ends bit
+for bit as the job without the fault.  Tensors that were not in the state (the failed step's activations,
+an old loss) are lost: using one raises at the user's line.  The controller's own death stays fatal: resume
+from a checkpoint (``tdmesh.checkpoint``) there.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from .engine.fetch import send_value
+from .engine.tensor import RefOwner
+from .errors import DeviceException, RemoteException, UsageError
+from .fleet.heal import reform
+from .mesh import DeviceMesh
+from .remote import Remote, call_remote
+from .step_state import StepState
+
+__all__ = ["FaultTolerance", "HealRecord"]
+
+_stash = Remote("tdmesh.worker.healing.stash", propagate=lambda *a: None)
+_restore = Remote("tdmesh.worker.healing.restore", propagate=lambda *a: None)
+_RNG = "tdmesh.worker.healing.rng_bundle"
+
+
+class HealRecord(NamedTuple):
+    """One heal: the mesh rank that died, why, the process that took its place (its rank before), the seconds
+    from the failure seen to the step running again, the step (``ft.steps`` then), and that time's parts."""
+    rank: int
+    cause: str
+    replaced_by: str
+    seconds: float
+    step: int
+    phases: dict
+
+
+class FaultTolerance:
+    """Heals ``mesh``'s fleet when a worker dies in :meth:`step` (see the module's docstring).
+
+    ``state``: what a step changes and a heal must put back — mesh tensors, modules, optimizers, dicts and
+    lists of them, objects with ``state_dict``/``load_state_dict``.  ``replicated``: the dims along which the
+    state is the same on every rank (DDP's data-parallel dim), where a new rank copies it from; ``None``: no
+    replica, so a heal needs ``checkpoint_dir`` (not built yet: refused).  ``max_heals``: more faults than
+    this raise.  ``shrink``: not built yet (refused)."""
+
+    def __init__(self, mesh: DeviceMesh, state, *, replicated: str | tuple[str, ...] | None = None,
+                 checkpoint_dir: str | None = None, max_heals: int = 3, shrink: bool = False) -> None:
+        fleet = getattr(mesh, "fleet", None)
+        if fleet is None or fleet.mesh is not mesh:
+            raise UsageError(f"FaultTolerance needs the mesh a launcher made (local_mesh, world_mesh), got {mesh!r}")
+        if shrink:
+            raise UsageError("FaultTolerance(shrink=True) is not built yet: give the mesh spares instead "
+                             "(local_mesh(spares=k), TDMESH_SPARES=k under torchrun)")
+        if checkpoint_dir is not None:
+            raise UsageError("FaultTolerance(checkpoint_dir=...) is not built yet: a heal copies the state from a "
+                             "replica; pass replicated=<the data-parallel dim>")
+        if replicated is None:
+            raise UsageError("FaultTolerance needs replicated=<dims along which the state is the same on every "
+                             "rank>: a new rank copies its state from a replica there")
+        dims = (replicated,) if isinstance(replicated, str) else tuple(replicated)
+        unknown = [d for d in dims if d not in mesh.names]
+        if unknown:
+            raise UsageError(f"FaultTolerance(replicated={replicated!r}): {mesh!r} has no dim {unknown[0]!r}; "
+                             f"its dims are {mesh.names}")
+        if fleet.client.relays:
+            raise UsageError("FaultTolerance needs each worker connected to the client itself (a host's relay dies "
+                             "with its first worker): set TDMESH_RELAYS=0 for the fleet (local_mesh with spares does)")
+        if max_heals < 0:
+            raise UsageError(f"FaultTolerance(max_heals={max_heals}): a count, >= 0")
+        self.mesh = mesh
+        self.state = state
+        self.replicated = dims
+        self.max_heals = max_heals
+        self.heals: list[HealRecord] = []
+        self.steps = 0
+        self._fleet = fleet
+        if fleet.processes is not None and hasattr(fleet.processes, "tolerant"):
+            fleet.processes.tolerant = True  # a dead worker must not make the launcher stop the others
+        StepState(state, mesh)  # refuses a state it cannot keep, here rather than at the first step
+        self._rng = self._generators()
+
+    def step(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """``fn(*args, **kwargs)``, run again after a heal until it completes; returns what it returns."""
+        while True:
+            saved = StepState(self.state, self.mesh)
+            failed_at = None
+            try:
+                call_remote(_stash, (self.steps, saved.refs), {}, mesh=self.mesh)
+                result = fn(*args, **kwargs)
+                rng = send_value(self.mesh, _RNG, (), {}, None)
+                self._wait()
+                self._rng = self._by_rank(rng.result())
+                self.steps += 1
+                return result
+            except BaseException as e:
+                failed_at = time.monotonic()
+                if not self._broken(e):
+                    raise
+            self._heal(saved, failed_at)
+
+    # -- one heal ------------------------------------------------------------------------------------------
+    def _heal(self, saved: StepState, failed_at: float) -> None:
+        client = self.mesh.client
+        lost = self._lost()
+        cause = str(client.failure).splitlines()[0] if client.failure is not None else "a worker died"
+        if not lost:
+            raise DeviceException(f"the fleet broke with no worker lost ({cause}): not a fault a heal mends")
+        if len(self.heals) + len(lost) > self.max_heals:
+            raise DeviceException(f"rank {', '.join(map(str, lost))} died ({cause}) after {len(self.heals)} heals: "
+                                  f"more than max_heals={self.max_heals}") from client.failure
+        sources = {rank: self._replica(rank, lost) for rank in lost if rank < len(self.mesh.rank_list)}
+        missing = [r for r, s in sources.items() if s is None]
+        if missing:
+            raise DeviceException(f"rank {missing[0]} died ({cause}) and no live replica along "
+                                  f"{self.replicated} holds its state") from client.failure
+        began = time.monotonic()
+        took, phases = reform(self._fleet, lost)
+        new = self._fleet.client
+        pointed = time.monotonic()
+        self._repoint(new, set(saved.refs))
+        phases["lost values"] = time.monotonic() - pointed
+        restoring = time.monotonic()
+        copies = [(sources[rank], rank) for rank in took]
+        call_remote(_restore, (self.steps, saved.refs, copies, self._rng), {}, mesh=self.mesh)
+        saved.restore()
+        self._wait()
+        phases["restore"] = time.monotonic() - restoring
+        phases["detect to heal"] = began - failed_at
+        for rank, spare in took.items():
+            self.heals.append(HealRecord(rank, cause, f"spare rank {spare}", time.monotonic() - failed_at,
+                                         self.steps, dict(phases)))
+
+    def _lost(self) -> list[int]:
+        """The ranks that died: those the client lost, and those whose process the launcher saw die."""
+        client = self.mesh.client
+        lost = set(client.observations.lost_ranks) & set(client.ranks)
+        processes = self._fleet.processes
+        if processes is not None and getattr(processes, "tolerant", False):
+            result = processes.wait(timeout=0)
+            if result is not None:
+                of = {p: r for r, p in self._fleet.process_of.items()}
+                lost.update(of[p] for p in result.failures if p in of)
+        return sorted(lost)
+
+    def _replica(self, rank: int, lost: list[int]) -> int | None:
+        """A live rank holding ``rank``'s state: along the replicated dims, the first not lost."""
+        shape = self.mesh.shape
+        coords = shape.coordinates(rank)
+        fixed = {d: c for d, c in coords.items() if d not in self.replicated}
+        for candidate in shape.index(**fixed).ranks():
+            if candidate not in lost:
+                return candidate
+        return None
+
+    def _repoint(self, client, kept: set[int]) -> None:
+        """The fleet's meshes now talk to the new client; tensors of the old session outside the state are lost."""
+        fleet = self._fleet
+        text = (f"was lost when tdmesh healed the fleet (step {self.steps}): only FaultTolerance's state "
+                f"survives a heal; compute it again")
+        for obj in gc.get_objects():
+            if type(obj) is DeviceMesh and obj.fleet is fleet:
+                obj.client = client
+            elif type(obj) is RefOwner and obj.id not in kept and getattr(obj.mesh, "fleet", None) is fleet:
+                obj.dropped_at = text  # type: ignore[assignment]
+
+    # -- helpers -----------------------------------------------------------------------------------------
+    def _broken(self, error: BaseException) -> bool:
+        """Whether ``error`` came from a worker's death (then the client's failure is set, or about to be:
+        a survivor's collective may report its dead peer before the client sees the connection close)."""
+        client = self.mesh.client
+        if client.failure is None and isinstance(error, RemoteException):
+            try:
+                self._wait()
+            except DeviceException:
+                pass
+        return client.failure is not None and not isinstance(error, (KeyboardInterrupt, SystemExit))
+
+    def _wait(self) -> None:
+        """Until every op sent so far ran, or the fleet broke (then raise its failure)."""
+        client = self.mesh.client
+        with client.lock:
+            if len(client.history) and client.failure is None:
+                client.request_status(client.last_seq)
+        client.pump(None, until=lambda: not len(client.history) or client.failure is not None)
+        if client.failure is not None:
+            raise client.failure
+
+    def _generators(self) -> dict[int, bytes]:
+        fut = send_value(self.mesh, _RNG, (), {}, None)
+        return self._by_rank(fut.result())
+
+    def _by_rank(self, values) -> dict[int, bytes]:
+        return dict(zip(self.mesh.shape.ranks(), (v for _, v in values)))

@@ -1,0 +1,94 @@
+"""A fleet re-formed around a dead worker (``tdmesh.FaultTolerance``): the same processes, a new generation.
+
+The broken session cannot be mended in place: the client's history, its sticky failure and every process
+group of the workers span the dead rank.  So a heal starts a new session on the processes that live, as
+the warm pool starts a new job on parked workers (``fleet/pool.py``): the old client sends ``Heal`` to
+every live worker (each leaves at once, keeping its tensors: ``worker/healing.py``), a spare takes the
+dead rank's number, and the workers form a fresh world process group under a new scope of the same c10d
+store (torchft's way: a new generation, only live members; no collective ever runs over a dead world)
+and connect to a new client.  The caller (``tdmesh/fault_tolerance.py``) then restores the state and
+points the user's meshes at the new client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Sequence
+
+from ..engine.client import Client
+from ..errors import DeviceException
+from ..protocol import messages as m
+from ..protocol.transport import encode
+from .job import Fleet, accept_workers
+
+log = logging.getLogger("tdmesh")
+
+__all__ = ["reform", "NoReplacement"]
+
+
+class NoReplacement(DeviceException):
+    """No spare is left to take a dead worker's place."""
+
+
+def reform(fleet: Fleet, lost: Sequence[int], timeout: float = 60.0) -> tuple[dict[int, int], dict[str, float]]:
+    """Replace the ``lost`` ranks of ``fleet`` by spares and connect a new client; returns ({mesh rank: the
+    rank its replacement had}, seconds spent releasing the survivors and re-forming)."""
+    old = fleet.client
+    lost = sorted(set(lost))
+    spares = [s for s in fleet.spares if s not in lost]
+    mesh_size = len(old.ranks) - len(fleet.spares)
+    dead = [r for r in lost if r < mesh_size]
+    if len(spares) < len(dead):
+        raise NoReplacement(f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} died and "
+                            f"{len(spares) or 'no'} spare{'s are' if len(spares) != 1 else ' is'} left: start the "
+                            f"mesh with more (local_mesh(spares=k), TDMESH_SPARES=k under torchrun)")
+    began = time.monotonic()
+    _make_sure_dead(fleet, lost)
+    if fleet.processes is not None and hasattr(fleet.processes, "forgiven"):
+        fleet.processes.forgiven.update(fleet.process_of[r] for r in lost)
+    take = dict(zip(dead, spares))
+    ranks = {r: r for r in old.ranks if r < mesh_size and r not in lost}
+    ranks.update((spare, rank) for rank, spare in take.items())
+    rest = [s for s in spares if s not in take.values()]
+    ranks.update((s, mesh_size + i) for i, s in enumerate(rest))
+    world = mesh_size + len(rest)
+    fleet.generation += 1
+    scope = f"{fleet.scope}/heal{fleet.generation}"
+    with old.lock:  # every live worker leaves the broken session now (ops still queued there are dropped)
+        old.outbox.put_all(encode(m.Heal(scope, tuple(sorted(ranks.items())), world)))
+        old.flush()
+    released = time.monotonic()
+    if fleet.gate is not None:
+        fleet.gate.close()
+    args = fleet.reconnect
+    conns, hellos, gate, relays = accept_workers(fleet.store, world, host=args["host"], bind=args["bind"],
+                                                 scope=scope, alive=args.get("alive", lambda: None),
+                                                 timeout=timeout)
+    client = Client(conns, hellos, log_dir=args.get("log_dir"), supervision=old.supervision,
+                    controller=old.controller, process_failure=args.get("process_failure"), relays=relays,
+                    failed_ranks=args.get("failed_ranks"))
+    client.next_ref = old.next_ref  # the state's refs keep their numbers; new ones never collide with them
+    with contextlib.suppress(Exception):
+        old.shutdown()
+    fleet.process_of = {new: fleet.process_of[rank] for rank, new in ranks.items()}
+    fleet.log_files = {new: fleet.log_files[rank] for rank, new in ranks.items() if rank in fleet.log_files}
+    fleet.client, fleet.gate, fleet.pool_key = client, gate, None  # a healed fleet is never parked
+    fleet.spares = tuple(range(mesh_size, world))
+    log.info("tdmesh: healed %s in %s", take, scope)
+    return {rank: spare for rank, spare in take.items()}, {"release": released - began,
+                                                         "re-form": time.monotonic() - released}
+
+
+def _make_sure_dead(fleet: Fleet, lost: Sequence[int]) -> None:
+    """A rank the client lost (a missed heartbeat, a broken connection) may still run: stop its process,
+    so that it never writes anything again (local fleets; under torchrun its agent's is not ours to kill)."""
+    processes = fleet.processes
+    for rank in lost:
+        pid = processes.pid(fleet.process_of[rank]) if processes is not None and hasattr(processes, "pid") else None
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

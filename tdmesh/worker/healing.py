@@ -1,0 +1,228 @@
+"""A worker's part in healing (``tdmesh.FaultTolerance``): what outlives a broken session.
+
+When a worker of the fleet dies the client sends ``Heal`` to the others.  Each leaves its session at
+once (``leave``): the process groups' connections are cut (a gloo collective waiting on a dead peer, or
+on a live one that already gave up, would otherwise wait out the group's timeout: neither ``abort`` nor
+``shutdown`` releases it), the streams' queued work is dropped, and the tensors the session held are kept
+here, outside its ref table, with the stash of the step's state.  The worker then joins the next
+generation (a new process-group scope, maybe a new rank number) and serves the new client, whose first
+call, ``restore``, puts the state back as it was when the failed step began: from this process's stash,
+from the tensors it kept (when the step's first op, the stash, never ran here), or over the new world
+group from a replica, for the rank that took the dead one's place.  The client keeps every rank's
+generator states (``rng_bundle``, fetched as each step ends): those go back too, so a re-run draws what
+the first run drew.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ..protocol.arguments import worker_generators
+from .streams import current_stream
+
+log = logging.getLogger("tdmesh.worker")
+
+_protected: set[int] = set()  # ports of the connections a heal must not cut (the store, the client, a relay)
+_stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # ref -> (the live tensor, its copy at the step's start)
+_tag = -1  # the step whose start the stash holds
+_kept: dict[int, torch.Tensor] = {}  # the broken session's tensors, by ref, until restore
+
+
+def protect(*ports: int) -> None:
+    """Connections to or from these ports survive a heal (called as the worker connects)."""
+    _protected.update(p for p in ports if p)
+
+
+def stash(tag: int, refs: list[int]) -> None:
+    """The first op of a fault-tolerant step: copy the state's tensors (into last step's copies where their
+    layout is unchanged), so that a heal puts back exactly what the step began with."""
+    global _stash, _tag
+    env = _env()
+    kept = {}
+    with torch.no_grad():
+        for ref in refs:
+            t = env.get(ref)
+            if not isinstance(t, torch.Tensor):
+                continue  # a Poison: the state is broken already, and its error is the user's
+            old = _stash.get(ref)
+            copy = old[1] if old is not None and _same_layout(old[1], t) else None
+            kept[ref] = (t, copy.copy_(t) if copy is not None else t.detach().clone())
+    _stash, _tag = kept, tag
+
+
+def _env() -> dict:
+    stream = current_stream()
+    if stream is None:
+        raise RuntimeError("tdmesh's healing functions run on a worker stream")
+    return stream.env
+
+
+def _device() -> torch.device:
+    stream = current_stream()
+    return stream.device if stream is not None else torch.device("cpu")
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+
+
+def rng_bundle() -> bytes:
+    """This worker's generators' states (torch's default CPU and CUDA ones, and its copies of the client's
+    generators), fetched by the client as each step ends: the state the next step starts from."""
+    state: dict = {"cpu": torch.get_rng_state()}
+    device = _device()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    state["generators"] = {key: g.get_state() for key, g in worker_generators().items()}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _set_rng(bundle: bytes) -> None:
+    state = torch.load(io.BytesIO(bundle), weights_only=True)
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], _device())
+    generators = worker_generators()
+    for key, value in state["generators"].items():
+        if key not in generators:
+            generators[key] = torch.Generator(device=key[1])
+        generators[key].set_state(value)
+
+
+def leave(interp) -> None:
+    """``Heal`` arrived: release whatever this session waits on and keep its tensors for ``restore``."""
+    global _kept
+    cut = cut_connections()
+    for s in list(interp.streams.values()):
+        s.abandon()
+    interp.tasks.join(30.0)  # an async checkpoint being written: finished (its collective was cut)
+    env = interp.streams[0].env if 0 in interp.streams else {}
+    _kept = {ref: v for ref, v in env.items() if isinstance(v, torch.Tensor)}
+    for s in interp.streams.values():
+        s.env.clear()
+    log.info("rank %d: leaving the broken session (%d connections cut, %d tensors kept)", interp.rank, cut,
+             len(_kept))
+
+
+def cut_connections() -> int:
+    """Shut down this process's established TCP connections but the protected ones: the process groups'
+    (gloo pairs, NCCL's bootstrap), so that a collective blocked on a dead or departed peer fails now.
+    Sockets are found through /proc (torch gives no handle on them); listeners are left alone (gloo aborts
+    the process when its accept fails), and each socket is shut down through a duplicate descriptor, so
+    the owner's descriptor stays valid until the group is destroyed."""
+    sockets = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            sockets[int(target[8:-1])] = int(fd)
+    cut = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            inode = int(fields[9])
+            if inode not in sockets or fields[3] != "01":  # 01: established
+                continue
+            local, remote = (int(fields[i].rsplit(":", 1)[1], 16) for i in (1, 2))
+            if local in _protected or remote in _protected:
+                continue
+            dup = socket.socket(fileno=os.dup(sockets[inode]))
+            try:
+                dup.shutdown(socket.SHUT_RDWR)
+                cut += 1
+            except OSError:
+                pass
+            finally:
+                dup.close()
+    return cut
+
+
+def restore(tag: int, refs: list[int], copies: list[tuple[int, int]], bundles: dict) -> None:
+    """The new session's first call: bind the state's refs as they were when step ``tag`` began.
+
+    ``copies``: (source rank, new rank) pairs, over the new world group: the source sends its state, the
+    new rank (a spare in a dead rank's place) receives it.  ``bundles``: every rank's generator states."""
+    global _stash, _kept
+    env = _env()
+    me = dist.get_rank()
+    state: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for ref in refs:
+            if _tag == tag and ref in _stash:
+                live, copy = _stash[ref]
+                state[ref] = live.copy_(copy)
+            elif ref in _kept:
+                state[ref] = _kept[ref]  # the stash never ran here: nothing of the step did either
+        for source, target in copies:
+            if source == me:
+                _send(state, refs, target)
+        sources = [source for source, target in copies if target == me]
+        if sources:
+            state = _receive(sources[0])
+    missing = [ref for ref in refs if ref not in state]
+    if missing:
+        raise RuntimeError(f"rank {me} has no copy of the state's refs {missing[:8]} to restore")
+    env.update(state)
+    _set_rng(bundles[me])
+    _stash, _kept = {}, {}
+
+
+def _send(state: dict[int, torch.Tensor], refs: list[int], target: int) -> None:
+    """The state to ``target``: a description (pickled), then one flat buffer per dtype."""
+    by_dtype: dict[torch.dtype, list] = {}
+    layout = []
+    for ref in refs:
+        t = state[ref]
+        layout.append((ref, tuple(t.shape), t.stride(), t.dtype, t.requires_grad))
+        by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
+    header = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8)
+    device = next(iter(state.values())).device if state else torch.device("cpu")
+    dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=device), target)
+    dist.send(header.to(device), target)
+    for dtype in sorted(by_dtype, key=str):
+        dist.send(torch.cat(by_dtype[dtype]), target)
+
+
+def _receive(source: int) -> dict[int, torch.Tensor]:
+    device = _device()
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(size, source)
+    header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(header, source)
+    layout = pickle.loads(header.cpu().numpy().tobytes())
+    state = {}
+    for dtype in sorted({entry[3] for entry in layout}, key=str):
+        entries = [e for e in layout if e[3] is dtype]
+        flat = torch.empty(sum(_numel(e[1]) for e in entries), dtype=dtype, device=device)
+        dist.recv(flat, source)
+        at = 0
+        for ref, shape, stride, _, requires_grad in entries:
+            n = _numel(shape)
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            t.copy_(flat[at:at + n].view(shape))
+            state[ref] = t.requires_grad_(requires_grad)
+            at += n
+    return state
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
