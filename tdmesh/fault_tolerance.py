@@ -23,8 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from torch.utils._pytree import tree_leaves
+
 from .engine.fetch import send_value
-from .engine.tensor import RefOwner
+from .engine.tensor import RefOwner, Tensor, describe
 from .errors import DeviceException, RemoteException, UsageError
 from .fleet.heal import reform
 from .mesh import DeviceMesh
@@ -36,6 +38,7 @@ __all__ = ["FaultTolerance", "HealRecord"]
 _stash = Remote("tdmesh.worker.healing.stash", propagate=lambda *a: None)
 _restore = Remote("tdmesh.worker.healing.restore", propagate=lambda *a: None)
 _RNG = "tdmesh.worker.healing.rng_bundle"
+_FINGERPRINTS = "tdmesh.worker.healing.fingerprints"
 
 
 class HealRecord(NamedTuple):
@@ -47,6 +50,7 @@ class HealRecord(NamedTuple):
     seconds: float
     step: int
     phases: dict
+    seen_at: float  # time.monotonic() when the client saw the failure: a bench adds the time from the kill
 
 
 class FaultTolerance:
@@ -91,20 +95,25 @@ class FaultTolerance:
         self._fleet = fleet
         if fleet.processes is not None and hasattr(fleet.processes, "tolerant"):
             fleet.processes.tolerant = True  # a dead worker must not make the launcher stop the others
-        StepState(state, mesh)  # refuses a state it cannot keep, here rather than at the first step
+        self._check_replicas(StepState(state, mesh))  # a state it cannot keep is refused here, not at a heal
         self._rng = self._generators()
 
     def step(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """``fn(*args, **kwargs)``, run again after a heal until it completes; returns what it returns."""
+        held = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        if held:
+            raise UsageError(f"ft.step's arguments hold a mesh tensor ({describe(held[0])}): a heal cannot give a "
+                             f"new rank its value; make it inside the step (from local data, or a remote function), "
+                             f"or put it in FaultTolerance's state")
         while True:
             saved = StepState(self.state, self.mesh)
             failed_at = None
             try:
                 call_remote(_stash, (self.steps, saved.refs), {}, mesh=self.mesh)
                 result = fn(*args, **kwargs)
-                rng = send_value(self.mesh, _RNG, (), {}, None)
-                self._wait()
+                rng = send_value(self.mesh, _RNG, (), {}, None)  # the step's last op: its answer is the commit
                 self._rng = self._by_rank(rng.result())
+                self._wait()  # work on other streams (the answer covers the default one)
                 self.steps += 1
                 return result
             except BaseException as e:
@@ -141,9 +150,9 @@ class FaultTolerance:
         self._wait()
         phases["restore"] = time.monotonic() - restoring
         phases["detect to heal"] = began - failed_at
-        for rank, spare in took.items():
-            self.heals.append(HealRecord(rank, cause, f"spare rank {spare}", time.monotonic() - failed_at,
-                                         self.steps, dict(phases)))
+        for rank, what in took.items():
+            self.heals.append(HealRecord(rank, cause, what, time.monotonic() - failed_at, self.steps, dict(phases),
+                                         failed_at))
 
     def _lost(self) -> list[int]:
         """The ranks that died: those the client lost, and those whose process the launcher saw die."""
@@ -194,11 +203,29 @@ class FaultTolerance:
         """Until every op sent so far ran, or the fleet broke (then raise its failure)."""
         client = self.mesh.client
         with client.lock:
-            if len(client.history) and client.failure is None:
+            waiting = len(client.history) and client.failure is None
+            if waiting:
                 client.request_status(client.last_seq)
-        client.pump(None, until=lambda: not len(client.history) or client.failure is not None)
+        if waiting:
+            client.pump(None, until=lambda: not len(client.history) or client.failure is not None)
         if client.failure is not None:
             raise client.failure
+
+    def _check_replicas(self, saved: StepState) -> None:
+        """The state must be the same along the replicated dims (a heal copies a replica's to the new rank):
+        each tensor's digest on every rank, compared; one that differs is refused, named."""
+        digests = self._by_rank(send_value(self.mesh, _FINGERPRINTS, (saved.refs,), {}, None).result())
+        for rank in self.mesh.rank_list:
+            replica = self._replica(rank, [rank])
+            if replica is None:
+                continue
+            for i, (mine, theirs) in enumerate(zip(digests[rank], digests[replica], strict=True)):
+                if mine != theirs:
+                    dims = ", ".join(self.replicated)
+                    raise UsageError(f"FaultTolerance(replicated={dims!r}): {saved.paths[i]} differs between ranks "
+                                     f"{min(rank, replica)} and {max(rank, replica)}; a heal would give a new rank another "
+                                     f"rank's value.  Keep per-rank values out of the state (make them in the "
+                                     f"step), or name only the dims the state is the same along")
 
     def _generators(self) -> dict[int, bytes]:
         fut = send_value(self.mesh, _RNG, (), {}, None)

@@ -31,7 +31,8 @@ from .engine.client import Client
 from .engine.propagation import warm_up
 from .errors import UsageError
 from .fleet import pool as warm_pool
-from .fleet.job import Fleet, SerialProcesses, accept_workers, controller_host
+from .fleet.job import Fleet, accept_workers, controller_host
+from .fleet.processes import SerialProcesses
 from .geometry.shape import Shape
 from .geometry.slice import Slice
 from .mesh import DeviceMesh
@@ -68,7 +69,8 @@ def _default_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def describe_failures(processes, log_files: dict, dead: list[int] | None = None) -> str | None:
+def describe_failures(processes, log_files: dict, dead: list[int] | None = None,
+                      rank_of: dict[int, int] | None = None) -> str | None:
     """What the launcher knows of dead workers: rank, pid, exit code or signal, log file; the cause
     first, then the workers the launcher stopped because of it.  Their ranks are added to ``dead``, the
     cause first (what the dashboard shows dead, read without a poll: each poll of torch elastic's
@@ -84,16 +86,17 @@ def describe_failures(processes, log_files: dict, dead: list[int] | None = None)
     order = sorted(result.failures.items(), key=lambda item: (item[1].exitcode == stopped, item[1].timestamp, item[0]))
     causes = [(r, f) for r, f in order if f.exitcode != stopped] or order[:1]
     parts, then = [], []
-    for rank, f in order:
+    for index, f in order:
+        rank = rank_of.get(index, index) if rank_of else index  # a healed fleet's ranks changed (fleet/heal.py)
         how = f"killed by signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
-        log = f", log {log_files[rank]}" if log_files.get(rank) else ""
+        log = f", log {log_files[index]}" if log_files.get(index) else ""
         who = f"worker rank {rank} (host {socket.gethostname()}, pid {f.pid}{log})"
-        if (rank, f) in causes:
+        if (index, f) in causes:
             parts.append(f"{who} died: {how}")
         else:
             then.append(f"{who} was stopped by the launcher (SIGTERM)")
     if dead is not None:
-        dead.extend(r for r, _ in order if r not in dead)  # the causes first
+        dead.extend(r for r in (rank_of.get(i, i) if rank_of else i for i, _ in order) if r not in dead)  # causes first
     return "; ".join(parts) + (f"\nthen: {'; '.join(then)}" if then else "")
 
 
@@ -172,8 +175,31 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, logg
     if to_files:
         for rank in range(world):
             log_files[rank] = processes.stderrs.get(rank) if hasattr(processes, "stderrs") else None
-    return _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervision, controller, key,
-                   f"({hosts} host x {gpus_per_host}, {backend})", cuda, spares)
+    fleet = _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervision, controller, key,
+                    f"({hosts} host x {gpus_per_host}, {backend})", cuda, spares)
+    fleet.reconnect["spawn"] = _spawner(processes, base_env, log_dir, to_files, device_offset, mesh_size)
+    return fleet
+
+
+def _spawner(processes: SerialProcesses, base_env: dict, log_dir: str | None, to_files: bool, device_offset: int,
+             mesh_size: int) -> Callable[[int, int, str], int]:
+    """How a heal starts a new worker where no spare is left: one process as the others were started, joining
+    generation ``scope`` as ``rank`` of ``world`` directly; returns its index among the fleet's processes."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+    def spawn(rank: int, world: int, scope: str) -> int:
+        env = dict(base_env, RANK=str(rank), WORLD_SIZE=str(world), TDMESH_SCOPE=scope,
+                   LOCAL_RANK=str(rank % int(base_env["LOCAL_WORLD_SIZE"])),
+                   TDMESH_DEVICE_INDEX=str(device_offset + rank % mesh_size))
+        specs = DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL if to_files else Std.NONE)
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        pcontext = start_processes(name="tdmesh-worker", entrypoint=sys.executable,
+                                   args={0: ("-m", "tdmesh.worker", "--serve")}, envs={0: env}, logs_specs=specs)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        return processes.add(pcontext)
+    return spawn
 
 
 def _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervision, controller, pool_key,
@@ -188,9 +214,10 @@ def _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervisio
           f"{log_dir or 'this terminal'}", file=sys.stderr, flush=True)
 
     dead: list[int] = []
+    ranks: dict[int, int] = {}  # process index -> rank, once a heal changed them
 
     def failed() -> str | None:
-        return describe_failures(processes, log_files, dead)
+        return describe_failures(processes, log_files, dead, ranks or None)
 
     try:
         conns, hellos, gate, relays = accept_workers(store, world, host="127.0.0.1", bind="127.0.0.1",
@@ -204,7 +231,7 @@ def _accept(hosts, gpus_per_host, processes, store, scope, log_files, supervisio
     fleet = Fleet(client, processes, store, log_files, gate, pool_key=pool_key, scope=scope,
                   spares=tuple(range(mesh_size, world)))
     fleet.reconnect = dict(host="127.0.0.1", bind="127.0.0.1", alive=failed, log_dir=log_dir, process_failure=failed,
-                           failed_ranks=lambda: tuple(dead))
+                           failed_ranks=lambda: tuple(dead), process_ranks=ranks, dead=dead)
     return fleet
 
 

@@ -30,6 +30,7 @@ class StepState:
     def __init__(self, state, mesh) -> None:
         self.mesh = mesh
         self.refs: list[int] = []
+        self.paths: list[str] = []  # where each of refs is in the state, for messages
         self.held: list[Tensor] = []
         self._seen: set[int] = set()
         self._storages: dict[int, int] = {}  # id(AliasSet) -> the first ref seen of it
@@ -99,6 +100,7 @@ class StepState:
                              f"(a view of it): a heal copies each tensor alone; keep only the base in the state")
         self._seen.add(ref)
         self.refs.append(ref)
+        self.paths.append(path)
         self.held.append(t)
 
     def _module(self, module: torch.nn.Module, path: str) -> None:

@@ -27,6 +27,8 @@ def check_inputs(remote: Sequence[Tensor], mesh, what, stream: Stream | None = N
             raise_in_op("WRONG_MESH", f"{what} mixes tensors from two meshes:\n  {describe(remote[0])}\n"
                                       f"  {describe(t)}\nmove one with t.to_mesh(other_mesh)")
         r = t._r
+        if type(r.dropped_at) is str:  # lost in a heal (tdmesh.FaultTolerance): the text says so
+            raise_in_op("DROPPED", f"tensor {r.id} {r.dropped_at}, so it cannot be used in {what}")
         if r.dropped_at is not None:
             where = "".join(traceback.format_list(frames(r.dropped_at)))
             raise_in_op("DROPPED", f"tensor {r.id} is dropped at:\n{where}and cannot be used in {what}")

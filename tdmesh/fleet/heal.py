@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import signal
 import time
 from collections.abc import Sequence
@@ -34,15 +35,17 @@ class NoReplacement(DeviceException):
     """No spare is left to take a dead worker's place."""
 
 
-def reform(fleet: Fleet, lost: Sequence[int], timeout: float = 60.0) -> tuple[dict[int, int], dict[str, float]]:
-    """Replace the ``lost`` ranks of ``fleet`` by spares and connect a new client; returns ({mesh rank: the
-    rank its replacement had}, seconds spent releasing the survivors and re-forming)."""
+def reform(fleet: Fleet, lost: Sequence[int], timeout: float = 120.0) -> tuple[dict[int, str], dict[str, float]]:
+    """Replace the ``lost`` ranks of ``fleet`` by spares (by new processes when none is left and the launcher
+    can start one) and connect a new client; returns ({mesh rank: what replaced it}, seconds spent releasing
+    the survivors and re-forming)."""
     old = fleet.client
     lost = sorted(set(lost))
     spares = [s for s in fleet.spares if s not in lost]
     mesh_size = len(old.ranks) - len(fleet.spares)
     dead = [r for r in lost if r < mesh_size]
-    if len(spares) < len(dead):
+    spawn = fleet.reconnect.get("spawn")
+    if len(spares) < len(dead) and spawn is None:
         raise NoReplacement(f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} died and "
                             f"{len(spares) or 'no'} spare{'s are' if len(spares) != 1 else ' is'} left: start the "
                             f"mesh with more (local_mesh(spares=k), TDMESH_SPARES=k under torchrun)")
@@ -51,16 +54,25 @@ def reform(fleet: Fleet, lost: Sequence[int], timeout: float = 60.0) -> tuple[di
     if fleet.processes is not None and hasattr(fleet.processes, "forgiven"):
         fleet.processes.forgiven.update(fleet.process_of[r] for r in lost)
     take = dict(zip(dead, spares))
+    fresh = [r for r in dead if r not in take]  # no spare left for these: a new process each
     ranks = {r: r for r in old.ranks if r < mesh_size and r not in lost}
     ranks.update((spare, rank) for rank, spare in take.items())
     rest = [s for s in spares if s not in take.values()]
     ranks.update((s, mesh_size + i) for i, s in enumerate(rest))
     world = mesh_size + len(rest)
+    current = fleet.scope if fleet.generation == 0 else f"{fleet.scope}/heal{fleet.generation}"
     fleet.generation += 1
     scope = f"{fleet.scope}/heal{fleet.generation}"
-    with old.lock:  # every live worker leaves the broken session now (ops still queued there are dropped)
-        old.outbox.put_all(encode(m.Heal(scope, tuple(sorted(ranks.items())), world)))
+    heal = m.Heal(scope, tuple(sorted(ranks.items())), world)
+    # Every live worker leaves the broken session now (ops still queued there are dropped): told on its
+    # connection, and in the store, which a watch thread of each reads where the message thread is blocked
+    # (creating a process group with the dead rank: waiting in the store for its address).
+    fleet.store.set(f"{current}/heal", pickle.dumps(heal))
+    with old.lock:  # to the live only: a send to a dead one waits for the launcher to say how it died
+        old.conns = {key: conn for key, conn in old.conns.items() if key not in lost}
+        old.outbox.put_all(encode(heal))
         old.flush()
+    started = {rank: spawn(rank, world, scope) for rank in fresh} if fresh and spawn is not None else {}
     released = time.monotonic()
     if fleet.gate is not None:
         fleet.gate.close()
@@ -74,13 +86,20 @@ def reform(fleet: Fleet, lost: Sequence[int], timeout: float = 60.0) -> tuple[di
     client.next_ref = old.next_ref  # the state's refs keep their numbers; new ones never collide with them
     with contextlib.suppress(Exception):
         old.shutdown()
-    fleet.process_of = {new: fleet.process_of[rank] for rank, new in ranks.items()}
+    fleet.process_of = {new: fleet.process_of[rank] for rank, new in ranks.items()} | started
+    if "dead" in args:
+        args["dead"].clear()  # healed: the dashboard shows the new rank, not the dead one
+    process_ranks = args.get("process_ranks")
+    if process_ranks is not None:  # how the launcher names a process that dies from now on
+        process_ranks.clear()
+        process_ranks.update((index, rank) for rank, index in fleet.process_of.items())
     fleet.log_files = {new: fleet.log_files[rank] for rank, new in ranks.items() if rank in fleet.log_files}
     fleet.client, fleet.gate, fleet.pool_key = client, gate, None  # a healed fleet is never parked
     fleet.spares = tuple(range(mesh_size, world))
     log.info("tdmesh: healed %s in %s", take, scope)
-    return {rank: spare for rank, spare in take.items()}, {"release": released - began,
-                                                         "re-form": time.monotonic() - released}
+    replaced = {rank: f"a spare (pid {client.hellos[rank].pid})" for rank in take}
+    replaced.update((rank, f"a new process (pid {client.hellos[rank].pid})") for rank in started)
+    return replaced, {"release": released - began, "re-form": time.monotonic() - released}
 
 
 def _make_sure_dead(fleet: Fleet, lost: Sequence[int]) -> None:

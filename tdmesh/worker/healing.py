@@ -15,21 +15,26 @@ the first run drew.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import pickle
 import socket
+import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from ..protocol import messages as m
 from ..protocol.arguments import worker_generators
+from ..protocol.rendezvous import connect_store
 from .streams import current_stream
 
 log = logging.getLogger("tdmesh.worker")
 
-_protected: set[int] = set()  # ports of the connections a heal must not cut (the store, the client, a relay)
+_protected: set[int] = set()  # ports of the connections a heal must not cut (the client's, a relay's)
+_protected_sockets: set[int] = set()  # and sockets (inodes): the client connection, the heal watch's store
+pending: m.Heal | None = None  # a Heal the watch found in the store (the message thread may be blocked)
 _stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # ref -> (the live tensor, its copy at the step's start)
 _tag = -1  # the step whose start the stash holds
 _kept: dict[int, torch.Tensor] = {}  # the broken session's tensors, by ref, until restore
@@ -38,6 +43,52 @@ _kept: dict[int, torch.Tensor] = {}  # the broken session's tensors, by ref, unt
 def protect(*ports: int) -> None:
     """Connections to or from these ports survive a heal (called as the worker connects)."""
     _protected.update(p for p in ports if p)
+
+
+def watch(conn, key: str) -> Callable[[], None]:
+    """For this session: a thread that looks for ``key`` in the job's store, where the client also puts its
+    ``Heal``.  The message thread may be blocked where the connection's copy never reaches it (creating a
+    process group, a collective over the world: waiting in the store for the dead rank's address): the
+    watch cuts the connections then (the main store's too), which fails that wait.  Returns the call that
+    ends the watch as the session ends.  It polls (``check``, every 50 ms) rather than blocking in the
+    store's ``wait``: a thread inside that C++ call as the process exits aborts it.  The store connection
+    is made here, on the message thread, so that no other socket is taken for it."""
+    global pending
+    pending = None
+    _protected_sockets.clear()
+    _protected_sockets.add(os.fstat(conn.sock.fileno()).st_ino)
+    before = set(_sockets())
+    store = connect_store(timeout=30.0)
+    _protected_sockets.update(set(_sockets()) - before)
+    stop = threading.Event()
+
+    def run() -> None:
+        global pending
+        while not stop.wait(0.05):
+            try:
+                if not store.check([key]):
+                    continue
+                found = pickle.loads(store.get(key))
+            except Exception:  # noqa: BLE001 - the store gone (the job's end): the session ends too
+                continue
+            pending = found
+            log.info("the heal watch found %s: cutting this worker's connections", key)
+            cut_connections()
+            return
+
+    thread = threading.Thread(target=run, name="tdmesh-heal-watch", daemon=True)
+    thread.start()
+
+    def end() -> None:
+        stop.set()
+        thread.join()
+    return end
+
+
+def take_pending() -> m.Heal | None:
+    global pending
+    found, pending = pending, None
+    return found
 
 
 def stash(tag: int, refs: list[int]) -> None:
@@ -55,6 +106,21 @@ def stash(tag: int, refs: list[int]) -> None:
             copy = old[1] if old is not None and _same_layout(old[1], t) else None
             kept[ref] = (t, copy.copy_(t) if copy is not None else t.detach().clone())
     _stash, _tag = kept, tag
+
+
+def fingerprints(refs: list[int]) -> list[str]:
+    """A digest of each of the state's tensors on this rank: the client checks that replicas agree."""
+    import hashlib
+    env = _env()
+    out = []
+    for ref in refs:
+        t = env.get(ref)
+        if not isinstance(t, torch.Tensor):
+            out.append("not a tensor")
+            continue
+        data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        out.append(hashlib.blake2b(data + repr((tuple(t.shape), t.dtype)).encode(), digest_size=16).hexdigest())
+    return out
 
 
 def _env() -> dict:
@@ -81,21 +147,24 @@ def rng_bundle() -> bytes:
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     state["generators"] = {key: g.get_state() for key, g in worker_generators().items()}
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
+    return pickle.dumps({k: v.numpy().tobytes() if isinstance(v, torch.Tensor) else
+                         {key: g.numpy().tobytes() for key, g in v.items()} for k, v in state.items()})
+
+
+def _state(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def _set_rng(bundle: bytes) -> None:
-    state = torch.load(io.BytesIO(bundle), weights_only=True)
-    torch.set_rng_state(state["cpu"])
+    state = pickle.loads(bundle)
+    torch.set_rng_state(_state(state["cpu"]))
     if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], _device())
+        torch.cuda.set_rng_state(_state(state["cuda"]), _device())
     generators = worker_generators()
     for key, value in state["generators"].items():
         if key not in generators:
             generators[key] = torch.Generator(device=key[1])
-        generators[key].set_state(value)
+        generators[key].set_state(_state(value))
 
 
 def leave(interp) -> None:
@@ -119,14 +188,7 @@ def cut_connections() -> int:
     Sockets are found through /proc (torch gives no handle on them); listeners are left alone (gloo aborts
     the process when its accept fails), and each socket is shut down through a duplicate descriptor, so
     the owner's descriptor stays valid until the group is destroyed."""
-    sockets = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            sockets[int(target[8:-1])] = int(fd)
+    sockets = _sockets()
     cut = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -137,12 +199,15 @@ def cut_connections() -> int:
         for line in lines:
             fields = line.split()
             inode = int(fields[9])
-            if inode not in sockets or fields[3] != "01":  # 01: established
+            if inode not in sockets or fields[3] != "01" or inode in _protected_sockets:  # 01: established
                 continue
             local, remote = (int(fields[i].rsplit(":", 1)[1], 16) for i in (1, 2))
             if local in _protected or remote in _protected:
                 continue
-            dup = socket.socket(fileno=os.dup(sockets[inode]))
+            try:  # a socket closed since the listing (its descriptor gone, or reused) is no business of ours
+                dup = socket.socket(fileno=os.dup(sockets[inode]))
+            except OSError:
+                continue
             try:
                 dup.shutdown(socket.SHUT_RDWR)
                 cut += 1
@@ -151,6 +216,19 @@ def cut_connections() -> int:
             finally:
                 dup.close()
     return cut
+
+
+def _sockets() -> dict[int, int]:
+    """This process's sockets: inode -> descriptor."""
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found[int(target[8:-1])] = int(fd)
+    return found
 
 
 def restore(tag: int, refs: list[int], copies: list[tuple[int, int]], bundles: dict) -> None:

@@ -96,15 +96,15 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
             dist.destroy_process_group()
             return 0, True
         host, port, token = found
-        healing.protect(port, store_address()[1])  # connections a heal must not cut
+        healing.protect(port)  # the client's connection: a heal must not cut it
         if world_size > 1 and env_str("TDMESH_RELAYS") in ("auto", "1"):
             host, port = _through_relay(store, rank, world_size, (host, port), token)
             healing.protect(port)
         tune_worker()  # what this process holds now lives as long as it does: no full collection scans it
         code, clean, end = _session(rank, device, (host, port), token)
-        if type(end) is m.Heal:  # a worker died: the next generation, on the same store
+        if type(end) is m.Heal:  # a worker died: the next generation, on the same store (a new connection to it)
             rank, world_size = _rejoin(end, rank)
-            kwargs = {}
+            store, kwargs = connect_store(), {}
             continue
         if clean:
             dist.destroy_process_group()
@@ -302,6 +302,7 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
                          on_fatal=stop_reading)
     mine = RankFilter(rank)
     sys.breakpointhook = interp.console.breakpoint
+    end_watch = healing.watch(conn, f"{job_scope()}/heal")
     try:
         while interp.exit_request is None:
             payload = conn.recv_payload()
@@ -310,6 +311,9 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
                 break
             if interp.fatal is not None:  # a stream stopped on a broken message and woke this loop
                 raise interp.fatal
+            if msgs is None and healing.pending is not None:  # healing: the old client closed as it should
+                healing.leave(interp)
+                return 0, True, healing.take_pending()
             if msgs is None:
                 log.error("rank %d: the client closed the connection without Exit; leaving", rank)
                 return env_int("TDMESH_PEER_ERROR_EXIT_CODE"), False, None
@@ -324,16 +328,13 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
                                             f"{type(e).__name__}: {e}") from e
             if interp.fatal is not None and not isinstance(interp.fatal, DeviceBroken):
                 raise interp.fatal
-    except (ProtocolError, ProtocolViolation) as e:  # ProtocolError first: it is a ConnectionError too
-        log.error("rank %d: leaving: the session broke the protocol: %s", rank, e)
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, None
-    except ConnectionError as e:
-        log.error("rank %d: leaving: the connection to the client failed: %s", rank, e)
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, None
-    except Exception as e:  # noqa: BLE001 - a stream stopped on an error of its own: the same end
-        log.error("rank %d: leaving: a stream stopped on %s: %s", rank, type(e).__name__, e)
-        return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, None
+    except Exception as e:  # noqa: BLE001 - each kind of end is told apart in _broken_session
+        if healing.pending is not None:  # the heal watch cut what this thread waited on
+            healing.leave(interp)
+            return 0, True, healing.take_pending()
+        return _broken_session(rank, e)
     finally:
+        end_watch()
         conn.close()
         interp.last_op.close()
         sys.breakpointhook = sys.__breakpointhook__  # this session's settings end with it (a pooled
@@ -351,6 +352,17 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
     if rank != 0 and not env_str("TDMESH_SCOPE"):
         wait_for_rank_0_to_leave()
     return env_int("TDMESH_PEER_ERROR_EXIT_CODE"), True, None
+
+
+def _broken_session(rank: int, error: Exception) -> tuple[int, bool, Any]:
+    """A session that ended on an error: why, logged, and the worker's exit."""
+    if isinstance(error, (ProtocolError, ProtocolViolation)):  # ProtocolError first: it is a ConnectionError too
+        log.error("rank %d: leaving: the session broke the protocol: %s", rank, error)
+    elif isinstance(error, ConnectionError):
+        log.error("rank %d: leaving: the connection to the client failed: %s", rank, error)
+    else:  # a stream stopped on an error of its own: the same end
+        log.error("rank %d: leaving: a stream stopped on %s: %s", rank, type(error).__name__, error)
+    return env_int("TDMESH_SELF_ERROR_EXIT_CODE"), False, None
 
 
 # Under torchrun rank 0's worker says on the job's store that it is about to exit (with the

@@ -510,7 +510,7 @@ def test_worker_processes_can_be_polled_from_several_threads_at_once(tmp_path):
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-    from tdmesh.fleet.job import SerialProcesses
+    from tdmesh.fleet.processes import SerialProcesses
     n = 6
     processes = SerialProcesses(start_processes(
         name="poll-race", entrypoint=sys.executable,

@@ -1,0 +1,143 @@
+"""Healing (issue 54): a worker that dies in ``ft.step`` is replaced and the step runs again, bit for bit.
+
+The differential test draws the faults with hypothesis — the step, the point of the step (before the
+forward, in it, after the backward, between two gradient collectives, between two optimizers' updates, while
+an async checkpoint is written, at the step's end), the rank, and how it dies (SIGKILL, ``os._exit``, a
+segfault) — and compares the healed job with the same job run without faults: every loss, both ranks'
+weights and AdamW moments must be equal, with no process left behind.  ``TDMESH_HEAL_EXAMPLES`` sets the
+examples (3 faults each); the local soak runs it with 70 (210 faults).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import pytest
+import torch
+from healing_job import HOWS, POINTS, STEPS, run
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+import tdmesh
+
+EXAMPLES = int(os.environ.get("TDMESH_HEAL_EXAMPLES", "7"))
+
+
+def _gone(pid: int, within: float = 30.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def _reference(checkpoints: bool):
+    return run((), spares=0, checkpoint_dir=_tmp("reference") if checkpoints else None)
+
+
+def _tmp(name: str) -> str:
+    import tempfile
+    return tempfile.mkdtemp(prefix=f"tdmesh_heal_{name}_")
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _check(result, reference, faults) -> None:
+    losses, weights, moments, heals, pids = result
+    assert [(h.rank, h.step) for h in heals] == [(f[2], f[0]) for f in sorted(faults)]
+    assert losses == reference[0]
+    assert all(_same(w, r) for w, r in zip(weights, reference[1], strict=True))
+    assert all(_same(m, r) for m, r in zip(moments, reference[2], strict=True))
+    left = [pid for pid in pids if not _gone(pid)]
+    assert not left, f"worker processes left behind: {left}"
+
+
+faults = st.lists(st.tuples(st.integers(0, STEPS - 1), st.sampled_from(POINTS), st.integers(0, 1),
+                            st.sampled_from(HOWS)), min_size=3, max_size=3, unique_by=lambda f: f[0])
+
+
+@settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+          phases=(Phase.explicit, Phase.generate))  # no shrinking: each example is a fleet's run
+@given(faults=faults)
+def test_a_healed_job_ends_bit_for_bit_as_the_job_without_faults(faults):
+    directory = _tmp("drawn")
+    _check(run(faults, spares=3, checkpoint_dir=directory), _reference(True), faults)
+
+
+def test_with_no_spare_left_a_new_process_takes_the_dead_ones_place():
+    faults = [(1, "collective", 1, "sigkill"), (3, "optimizer", 0, "exit")]
+    result = run(faults, spares=1)
+    _check(result, _reference(False), faults)
+    assert [h.replaced_by.split(" (")[0] for h in result[3]] == ["a spare", "a new process"]
+
+
+def test_more_faults_than_max_heals_raise_and_leave_nothing_running():
+    pids = set()
+    with pytest.raises(tdmesh.DeviceException, match="more than max_heals=0"):
+        with tdmesh.local_mesh(hosts=1, gpus_per_host=2, spares=1, pool=False) as mesh, mesh.activate():
+            pids.update(h.pid for h in mesh.client.hellos.values())
+            w = torch.zeros(3)
+            ft = tdmesh.FaultTolerance(mesh, {"w": w}, replicated="gpu", max_heals=0)
+            from healing_job import die_if
+
+            def step():
+                w.add_(1)
+                die_if(1, "sigkill")
+            ft.step(step)
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_values_outside_the_state_are_lost_in_a_heal_and_say_so():
+    from healing_job import die_if
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2, spares=1, pool=False) as mesh, mesh.activate():
+        w = torch.ones(3)
+        other = torch.full((2,), 5.0)
+        ft = tdmesh.FaultTolerance(mesh, [w], replicated="gpu")
+
+        def step():
+            w.mul_(2)
+            if not ft.heals:
+                die_if(0, "sigkill")
+            return w.sum()
+
+        total = ft.step(step)
+        assert tdmesh.fetch_shard(total).result().item() == 6.0
+        assert torch.equal(tdmesh.fetch_shard(w, host=0, gpu=1).result(), torch.full((3,), 2.0))
+        with pytest.raises(tdmesh.PlacementError, match="lost when tdmesh healed the fleet"):
+            other + 1
+        with pytest.raises(tdmesh.PlacementError, match="lost when tdmesh healed the fleet"):
+            tdmesh.fetch_shard(other).result()
+        assert len(ft.heals) == 1 and ft.heals[0].rank == 0 and "SIGKILL" in ft.heals[0].cause
+
+
+def test_what_fault_tolerance_cannot_keep_is_refused_at_the_users_line():
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2, spares=1) as mesh, mesh.activate():
+        w = torch.ones(4)
+        with pytest.raises(tdmesh.UsageError, match="replicated="):
+            tdmesh.FaultTolerance(mesh, [w])
+        with pytest.raises(tdmesh.UsageError, match="has no dim 'dp'"):
+            tdmesh.FaultTolerance(mesh, [w], replicated="dp")
+        with pytest.raises(tdmesh.UsageError, match="shares its storage"):
+            tdmesh.FaultTolerance(mesh, [w, w[:2]], replicated="gpu")
+        with pytest.raises(tdmesh.UsageError, match="cannot keep state\\[0\\], a object"):
+            tdmesh.FaultTolerance(mesh, [object()], replicated="gpu")
+        with pytest.raises(tdmesh.UsageError, match="the mesh a launcher made"):
+            tdmesh.FaultTolerance(mesh.slice(gpu=0), [w], replicated="host")
+        with pytest.raises(tdmesh.UsageError, match=r"state\[0\] differs between ranks 0 and 1"):
+            tdmesh.FaultTolerance(mesh, [w * mesh.rank("gpu")], replicated="gpu")
+        ft = tdmesh.FaultTolerance(mesh, [w], replicated="gpu")
+        with pytest.raises(tdmesh.UsageError, match="arguments hold a mesh tensor"):
+            ft.step(lambda x: x, w)
