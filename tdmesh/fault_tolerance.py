@@ -223,9 +223,9 @@ class FaultTolerance:
                 if mine != theirs:
                     dims = ", ".join(self.replicated)
                     raise UsageError(f"FaultTolerance(replicated={dims!r}): {saved.paths[i]} differs between ranks "
-                                     f"{min(rank, replica)} and {max(rank, replica)}; a heal would give a new rank another "
-                                     f"rank's value.  Keep per-rank values out of the state (make them in the "
-                                     f"step), or name only the dims the state is the same along")
+                                     f"{min(rank, replica)} and {max(rank, replica)}; a heal would give a new rank "
+                                     f"another rank's value.  Keep per-rank values out of the state (make them in "
+                                     f"the step), or name only the dims the state is the same along")
 
     def _generators(self) -> dict[int, bytes]:
         fut = send_value(self.mesh, _RNG, (), {}, None)
