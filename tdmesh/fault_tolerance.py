@@ -29,6 +29,8 @@ from .engine.fetch import send_value
 from .engine.tensor import RefOwner, Tensor, describe
 from .errors import DeviceException, RemoteException, UsageError
 from .fleet.heal import reform
+from .geometry.shape import Shape
+from .geometry.slice import Slice
 from .mesh import DeviceMesh
 from .remote import Remote, call_remote
 from .step_state import StepState
@@ -36,7 +38,7 @@ from .step_state import StepState
 __all__ = ["FaultTolerance", "HealRecord"]
 
 _stash = Remote("tdmesh.worker.healing.stash", propagate=lambda *a: None)
-_restore = Remote("tdmesh.worker.healing.restore", propagate=lambda *a: None)
+_RESTORE = "tdmesh.worker.healing.restore"
 _RNG = "tdmesh.worker.healing.rng_bundle"
 _FINGERPRINTS = "tdmesh.worker.healing.fingerprints"
 
@@ -60,16 +62,15 @@ class FaultTolerance:
     lists of them, objects with ``state_dict``/``load_state_dict``.  ``replicated``: the dims along which the
     state is the same on every rank (DDP's data-parallel dim), where a new rank copies it from; ``None``: no
     replica, so a heal needs ``checkpoint_dir`` (not built yet: refused).  ``max_heals``: more faults than
-    this raise.  ``shrink``: not built yet (refused)."""
+    this raise.  ``shrink``: with no spare left, the mesh loses the dead rank's place along the replicated dim
+    (``ft.mesh`` is the same object, smaller; its state is each survivor's own) instead of a new process
+    taking it; the step runs again there (read the mesh's size in the step)."""
 
     def __init__(self, mesh: DeviceMesh, state, *, replicated: str | tuple[str, ...] | None = None,
                  checkpoint_dir: str | None = None, max_heals: int = 3, shrink: bool = False) -> None:
         fleet = getattr(mesh, "fleet", None)
         if fleet is None or fleet.mesh is not mesh:
             raise UsageError(f"FaultTolerance needs the mesh a launcher made (local_mesh, world_mesh), got {mesh!r}")
-        if shrink:
-            raise UsageError("FaultTolerance(shrink=True) is not built yet: give the mesh spares instead "
-                             "(local_mesh(spares=k), TDMESH_SPARES=k under torchrun)")
         if checkpoint_dir is not None:
             raise UsageError("FaultTolerance(checkpoint_dir=...) is not built yet: a heal copies the state from a "
                              "replica; pass replicated=<the data-parallel dim>")
@@ -90,6 +91,7 @@ class FaultTolerance:
         self.state = state
         self.replicated = dims
         self.max_heals = max_heals
+        self.shrink = shrink
         self.heals: list[HealRecord] = []
         self.steps = 0
         self._fleet = fleet
@@ -132,20 +134,34 @@ class FaultTolerance:
         if len(self.heals) + len(lost) > self.max_heals:
             raise DeviceException(f"rank {', '.join(map(str, lost))} died ({cause}) after {len(self.heals)} heals: "
                                   f"more than max_heals={self.max_heals}") from client.failure
-        sources = {rank: self._replica(rank, lost) for rank in lost if rank < len(self.mesh.rank_list)}
-        missing = [r for r, s in sources.items() if s is None]
-        if missing:
-            raise DeviceException(f"rank {missing[0]} died ({cause}) and no live replica along "
-                                  f"{self.replicated} holds its state") from client.failure
+        dead = [rank for rank in lost if rank in self.mesh.rank_list]
         began = time.monotonic()
-        took, phases = reform(self._fleet, lost)
+        if self.shrink and len([s for s in self._fleet.spares if s not in lost]) < len(dead):
+            keep = self._kept_when_shrinking(dead, cause)
+            took, phases = reform(self._fleet, lost, shrink_to=keep)
+            self._rng = {new: self._rng[old] for new, old in enumerate(keep)}
+            shape = self.mesh.shape
+            sizes = [shape.sizes[d] - (len({shape.coordinates(r)[d] for r in dead}) if d == self.replicated[0] else 0)
+                     for d in self.mesh.names]
+            self.mesh._shape = Shape(self.mesh.names, Slice.new_row_major(sizes))  # the same mesh, smaller
+            self.mesh.__dict__.pop("rank_list", None)
+            copies: list[tuple[int, int]] = []
+        else:
+            found = {rank: self._replica(rank, lost) for rank in dead}
+            sources = {rank: source for rank, source in found.items() if source is not None}
+            missing = [rank for rank in dead if rank not in sources]
+            if missing:
+                raise DeviceException(f"rank {missing[0]} died ({cause}) and no live replica along "
+                                      f"{self.replicated} holds its state") from client.failure
+            took, phases = reform(self._fleet, lost)
+            copies = [(sources[rank], rank) for rank in took]
         new = self._fleet.client
         pointed = time.monotonic()
         self._repoint(new, set(saved.refs))
         phases["lost values"] = time.monotonic() - pointed
         restoring = time.monotonic()
-        copies = [(sources[rank], rank) for rank in took]
-        call_remote(_restore, (self.steps, saved.refs, copies, self._rng), {}, mesh=self.mesh)
+        done = send_value(self.mesh, _RESTORE, (self.steps, saved.refs, copies, self._rng), {}, None)
+        phases["copy"] = max(v["copy_s"] for _, v in done.result())
         saved.restore()
         self._wait()
         phases["restore"] = time.monotonic() - restoring
@@ -153,6 +169,19 @@ class FaultTolerance:
         for rank, what in took.items():
             self.heals.append(HealRecord(rank, cause, what, time.monotonic() - failed_at, self.steps, dict(phases),
                                          failed_at))
+
+    def _kept_when_shrinking(self, dead: list[int], cause: str) -> list[int]:
+        """The ranks of the smaller mesh: every rank but those at the dead ranks' places along the replicated dim
+        (on a mesh of more dims, the dead rank's whole replica drops out; its live ranks become spares)."""
+        if len(self.replicated) != 1:
+            raise DeviceException(f"rank {dead[0]} died ({cause}) and no spare is left: shrinking needs one "
+                                  f"replicated dim, not {self.replicated}")
+        dim = self.replicated[0]
+        gone = {self.mesh.shape.coordinates(r)[dim] for r in dead}
+        keep = [r for r in self.mesh.rank_list if self.mesh.shape.coordinates(r)[dim] not in gone]
+        if not keep:
+            raise DeviceException(f"rank {dead[0]} died ({cause}): no rank of the mesh is left to shrink to")
+        return keep
 
     def _lost(self) -> list[int]:
         """The ranks that died: those the client lost, and those whose process the launcher saw die."""

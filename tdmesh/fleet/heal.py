@@ -35,12 +35,16 @@ class NoReplacement(DeviceException):
     """No spare is left to take a dead worker's place."""
 
 
-def reform(fleet: Fleet, lost: Sequence[int], timeout: float = 120.0) -> tuple[dict[int, str], dict[str, float]]:
+def reform(fleet: Fleet, lost: Sequence[int], timeout: float = 120.0,
+           shrink_to: Sequence[int] | None = None) -> tuple[dict[int, str], dict[str, float]]:
     """Replace the ``lost`` ranks of ``fleet`` by spares (by new processes when none is left and the launcher
     can start one) and connect a new client; returns ({mesh rank: what replaced it}, seconds spent releasing
-    the survivors and re-forming)."""
+    the survivors and re-forming).  ``shrink_to``: no replacement; the new mesh is these live ranks, in this
+    order (numbered from 0), every other live worker a spare after them."""
     old = fleet.client
     lost = sorted(set(lost))
+    if shrink_to is not None:
+        return _shrink(fleet, lost, list(shrink_to), timeout)
     spares = [s for s in fleet.spares if s not in lost]
     mesh_size = len(old.ranks) - len(fleet.spares)
     dead = [r for r in lost if r < mesh_size]
@@ -49,17 +53,38 @@ def reform(fleet: Fleet, lost: Sequence[int], timeout: float = 120.0) -> tuple[d
         raise NoReplacement(f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} died and "
                             f"{len(spares) or 'no'} spare{'s are' if len(spares) != 1 else ' is'} left: start the "
                             f"mesh with more (local_mesh(spares=k), TDMESH_SPARES=k under torchrun)")
-    began = time.monotonic()
-    _make_sure_dead(fleet, lost)
-    if fleet.processes is not None and hasattr(fleet.processes, "forgiven"):
-        fleet.processes.forgiven.update(fleet.process_of[r] for r in lost)
     take = dict(zip(dead, spares))
     fresh = [r for r in dead if r not in take]  # no spare left for these: a new process each
     ranks = {r: r for r in old.ranks if r < mesh_size and r not in lost}
     ranks.update((spare, rank) for rank, spare in take.items())
     rest = [s for s in spares if s not in take.values()]
     ranks.update((s, mesh_size + i) for i, s in enumerate(rest))
-    world = mesh_size + len(rest)
+    replaced, phases = _next_generation(fleet, lost, ranks, mesh_size + len(rest), fresh, timeout)
+    replaced.update((rank, f"a spare (pid {fleet.client.hellos[rank].pid})") for rank in take)
+    return replaced, phases
+
+
+def _shrink(fleet: Fleet, lost: list[int], keep: list[int], timeout: float):
+    old = fleet.client
+    live = [r for r in old.ranks if r not in lost]
+    order = keep + [r for r in live if r not in keep]
+    ranks = {r: i for i, r in enumerate(order)}
+    replaced, phases = _next_generation(fleet, lost, ranks, len(order), [], timeout)
+    fleet.spares = tuple(range(len(keep), len(order)))
+    replaced.update((r, f"nothing: the mesh shrank to {len(keep)} ranks") for r in lost)
+    return replaced, phases
+
+
+def _next_generation(fleet: Fleet, lost: list[int], ranks: dict[int, int], world: int, fresh: list[int],
+                     timeout: float) -> tuple[dict[int, str], dict[str, float]]:
+    """Every live worker leaves the broken session and takes its rank in ``ranks`` of the next generation
+    (``fresh``: ranks a new process takes); a new client accepts them all."""
+    old = fleet.client
+    spawn = fleet.reconnect.get("spawn")
+    began = time.monotonic()
+    _make_sure_dead(fleet, lost)
+    if fleet.processes is not None and hasattr(fleet.processes, "forgiven"):
+        fleet.processes.forgiven.update(fleet.process_of[r] for r in lost)
     current = fleet.scope if fleet.generation == 0 else f"{fleet.scope}/heal{fleet.generation}"
     fleet.generation += 1
     scope = f"{fleet.scope}/heal{fleet.generation}"
@@ -95,10 +120,10 @@ def reform(fleet: Fleet, lost: Sequence[int], timeout: float = 120.0) -> tuple[d
         process_ranks.update((index, rank) for rank, index in fleet.process_of.items())
     fleet.log_files = {new: fleet.log_files[rank] for rank, new in ranks.items() if rank in fleet.log_files}
     fleet.client, fleet.gate, fleet.pool_key = client, gate, None  # a healed fleet is never parked
+    mesh_size = len(old.ranks) - len(fleet.spares)
     fleet.spares = tuple(range(mesh_size, world))
-    log.info("tdmesh: healed %s in %s", take, scope)
-    replaced = {rank: f"a spare (pid {client.hellos[rank].pid})" for rank in take}
-    replaced.update((rank, f"a new process (pid {client.hellos[rank].pid})") for rank in started)
+    log.info("tdmesh: healed %s in %s", ranks, scope)
+    replaced = {rank: f"a new process (pid {client.hellos[rank].pid})" for rank in started}
     return replaced, {"release": released - began, "re-form": time.monotonic() - released}
 
 

@@ -20,6 +20,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -231,7 +232,7 @@ def _sockets() -> dict[int, int]:
     return found
 
 
-def restore(tag: int, refs: list[int], copies: list[tuple[int, int]], bundles: dict) -> None:
+def restore(tag: int, refs: list[int], copies: list[tuple[int, int]], bundles: dict) -> dict:
     """The new session's first call: bind the state's refs as they were when step ``tag`` began.
 
     ``copies``: (source rank, new rank) pairs, over the new world group: the source sends its state, the
@@ -247,18 +248,22 @@ def restore(tag: int, refs: list[int], copies: list[tuple[int, int]], bundles: d
                 state[ref] = live.copy_(copy)
             elif ref in _kept:
                 state[ref] = _kept[ref]  # the stash never ran here: nothing of the step did either
+        began = time.perf_counter()
         for source, target in copies:
             if source == me:
                 _send(state, refs, target)
         sources = [source for source, target in copies if target == me]
         if sources:
             state = _receive(sources[0])
+        copied = time.perf_counter() - began
     missing = [ref for ref in refs if ref not in state]
     if missing:
         raise RuntimeError(f"rank {me} has no copy of the state's refs {missing[:8]} to restore")
     env.update(state)
     _set_rng(bundles[me])
     _stash, _kept = {}, {}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    return {"copy_s": copied if copies else 0.0, "bytes": nbytes}
 
 
 def _send(state: dict[int, torch.Tensor], refs: list[int], target: int) -> None:

@@ -141,3 +141,41 @@ def test_what_fault_tolerance_cannot_keep_is_refused_at_the_users_line():
         ft = tdmesh.FaultTolerance(mesh, [w], replicated="gpu")
         with pytest.raises(tdmesh.UsageError, match="arguments hold a mesh tensor"):
             ft.step(lambda x: x, w)
+
+
+def test_shrink_drops_the_dead_rank_and_the_replicas_agree_afterwards():
+    from healing_job import die_if
+    pids = set()
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=3, pool=False) as mesh, mesh.activate():
+        pids.update(h.pid for h in mesh.client.hellos.values())
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ft = tdmesh.FaultTolerance(mesh, {"model": model, "opt": opt}, replicated="gpu", shrink=True)
+        sizes = []
+
+        def step(i: int):
+            size = ft.mesh.size("gpu")
+            sizes.append(size)
+            g = torch.Generator().manual_seed(i)  # the global batch: each rank takes its share of it
+            batch = torch.randn(12, 4, generator=g)
+            share = 12 // size
+            x = torch.stack([batch[r * share:(r + 1) * share] for r in range(size)])[ft.mesh.rank("gpu")]
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            for p in model.parameters():
+                p.grad.reduce_("gpu", reduction="avg")
+            if i == 2 and not ft.heals:
+                die_if(1, "sigkill")
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        for i in range(4):
+            ft.step(step, i)
+        assert ft.mesh is mesh and mesh.size("gpu") == 2 and sizes[-1] == 2 and sizes[0] == 3
+        assert [h.rank for h in ft.heals] == [1] and ft.heals[0].replaced_by.startswith("nothing: the mesh shrank")
+        weights = [tdmesh.fetch_shard(model.weight, host=0, gpu=g).result() for g in (0, 1)]
+        assert torch.equal(weights[0], weights[1])
+        pids.update(h.pid for h in mesh.client.hellos.values())
+    assert all(_gone(pid) for pid in pids)
