@@ -55,6 +55,9 @@ VARIABLES = {
                                               "DeviceException"),
     "TDMESH_SPARES": ("0", "under torchrun: how many of the WORLD_SIZE ranks (the last ones) stay outside world_mesh() "
                            "as spares, connected and authenticated like the others (local_mesh takes spares=)"),
+    "TDMESH_HEALABLE": ("auto", "under torchrun: 1 runs each rank's worker one process below torchrun's, so that its "
+                                "death heals (tdmesh.FaultTolerance) without torchrun restarting the job; 'auto': when "
+                                "TDMESH_SPARES > 0; 0: never"),
     "TDMESH_RELAYS": ("auto", "per-host relays: 'auto' (when the job spans hosts, or its one host has a core for each "
                               "rank and the client), '1' or '0' (every rank connects to the client itself); attach "
                               "mode never uses them"),

@@ -97,6 +97,8 @@ class FaultTolerance:
         self._fleet = fleet
         if fleet.processes is not None and hasattr(fleet.processes, "tolerant"):
             fleet.processes.tolerant = True  # a dead worker must not make the launcher stop the others
+        if fleet.store is not None and fleet.scope:  # under torchrun: a dead worker's keeper lets the job go on
+            fleet.store.set(f"{fleet.scope}/healing", "1")
         self._check_replicas(StepState(state, mesh))  # a state it cannot keep is refused here, not at a heal
         self._rng = self._generators()
 

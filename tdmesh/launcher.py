@@ -36,7 +36,7 @@ from .fleet.processes import SerialProcesses
 from .geometry.shape import Shape
 from .geometry.slice import Slice
 from .mesh import DeviceMesh
-from .protocol.rendezvous import ATTACH, connect_store, new_token, proof, restart_count, session_token
+from .protocol.rendezvous import ATTACH, connect_store, job_scope, new_token, proof, restart_count, session_token
 from .protocol.security import derive, secret_token, warn_if_exposed
 
 __all__ = ["local_mesh", "local_meshes", "world_mesh", "restart_count", "attach", "connect_world", "LoggingLocation"]
@@ -324,7 +324,8 @@ def connect_world() -> Fleet:
     conns, hellos, gate, relays = accept_workers(store, world, host=controller_host(), bind="0.0.0.0",
                                                  meanwhile=warm_up)
     fleet = Fleet(Client(conns, hellos, relays=relays), store=store, gate=gate,
-                  spares=tuple(range(world - spares, world)))
+                  spares=tuple(range(world - spares, world)), scope=job_scope())
+    fleet.reconnect = dict(host=controller_host(), bind="0.0.0.0")  # a heal's new client (fleet/heal.py)
     _world = _mesh_for(fleet, hosts, gpus)
     return fleet
 

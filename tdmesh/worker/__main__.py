@@ -17,8 +17,6 @@ import signal
 import subprocess
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
 HELP = __doc__ + """
 modes:
   torchrun [flags] -m tdmesh.worker SCRIPT [ARGS...]
@@ -40,6 +38,7 @@ def _parse(argv):
     parser = argparse.ArgumentParser(prog="python -m tdmesh.worker", description=HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--serve", action="store_true", help="internal: a tdmesh.local_mesh worker")
+    parser.add_argument("--kept", action="store_true", help="internal: a torchrun rank's worker, below its keeper")
     parser.add_argument("script", nargs="?", help="the client script, run on rank 0 as __main__")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser.parse_args(argv)
@@ -60,26 +59,33 @@ def _stacks_on_sigusr1() -> None:
     faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
 
 
-@record
 def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     if "RANK" not in os.environ:
         print("tdmesh.worker must run under torchrun (or tdmesh.local_mesh):\n"
               "  torchrun --nproc_per_node 2 -m tdmesh.worker script.py", file=sys.stderr)
         return 2
+    from .keeper import keep, wanted
+    if wanted(args.serve):  # the worker one level below torchrun's process: its death can heal
+        return keep(args.script, args.script_args)
+    from torch.distributed.elastic.multiprocessing.errors import record
+    return int(record(_main)(args) or 0)
+
+
+def _main(args) -> int:
     if args.script:  # functions defined next to the script travel by import path
         sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
     from .loop import configure_logging, run_worker, say_rank_0_leaves
     configure_logging()
     _stacks_on_sigusr1()
     client = None
-    if args.script and int(os.environ["RANK"]) == 0:
+    if args.script and int(os.environ["RANK"]) == 0 and not args.kept:
         if not os.path.exists(args.script):  # rank 0 leaves at once, and torchrun ends the job
             print(f"tdmesh.worker: script {args.script!r} not found (cwd {os.getcwd()})", file=sys.stderr)
             return 2
         client = _start_client(args.script, args.script_args)
     try:
-        code, clean = run_worker(attachable=not args.script and not args.serve)
+        code, clean = run_worker(attachable=not args.script and not args.serve and not args.kept)
     except KeyboardInterrupt:  # Ctrl-C reaches every process of the job: leave at once
         if client is not None:
             client.kill()
@@ -94,7 +100,8 @@ def main(argv=None) -> int:
         if client_code < 0:  # killed by a signal: report like a shell does
             client_code = 128 - client_code
         code = client_code
-    say_rank_0_leaves(code)  # under torchrun: the other ranks wait for it (loop.wait_for_rank_0_to_leave)
+    if not args.kept:  # a keeper says it for its rank 0, with the script's code
+        say_rank_0_leaves(code)  # under torchrun: the other ranks wait for it (loop.wait_for_rank_0_to_leave)
     if not clean:  # do not wait in teardown for streams stuck on dead peers
         sys.stdout.flush()
         sys.stderr.flush()

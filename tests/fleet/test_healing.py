@@ -179,3 +179,24 @@ def test_shrink_drops_the_dead_rank_and_the_replicas_agree_afterwards():
         assert torch.equal(weights[0], weights[1])
         pids.update(h.pid for h in mesh.client.hellos.values())
     assert all(_gone(pid) for pid in pids)
+
+
+def test_under_torchrun_a_dead_worker_heals_without_a_restart():
+    """TDMESH_SPARES=1 on 3 ranks: each rank's worker runs below a keeper, so torchrun never sees rank 1's
+    worker die; the job exits 0 on its first run, with the losses of the run without the fault."""
+    import subprocess
+    import sys
+
+    from paths import SCRIPTS
+    env = dict(os.environ, TDMESH_SPARES="1")
+    runs = {}
+    for fault in ("", "--fault"):
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
+                              "--max-restarts", "1", "-m", "tdmesh.worker",
+                              os.path.join(SCRIPTS, "heal_torchrun_job.py"), *([fault] if fault else [])],
+                             capture_output=True, text=True, timeout=180, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[fault] = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    assert runs["--fault"]["heals"] == "[(1, 2, 'a spare')]" and runs[""]["heals"] == "[]"
+    assert runs["--fault"]["losses"] == runs[""]["losses"]
+    assert runs["--fault"]["restart_count"] == "0" and runs["--fault"]["replicas"] == "agree True"

@@ -1,0 +1,49 @@
+"""A torchrun job healed without a restart (issue 54): ``TDMESH_SPARES=1`` on 3 ranks, rank 1's worker killed.
+
+    TDMESH_SPARES=1 torchrun --standalone --nproc_per_node 3 --max-restarts 1 -m tdmesh.worker \\
+        tests/scripts/heal_torchrun_job.py [--fault]
+
+Prints the losses, the heals and ``restart_count``; with ``--fault`` the worker of rank 1 is SIGKILLed in
+step 2.  The test compares the run with the fault against the run without.
+"""
+import os
+import signal
+import sys
+
+import torch
+
+import tdmesh
+
+
+@tdmesh.remote(propagate=lambda rank: None)
+def die_if(rank: int) -> None:
+    if int(os.environ["RANK"]) == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+fault = "--fault" in sys.argv
+mesh = tdmesh.world_mesh()
+with mesh.activate():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ft = tdmesh.FaultTolerance(mesh, {"model": model, "opt": opt}, replicated="gpu")
+
+    def step(i: int):
+        x = torch.randn(4, 8) + mesh.rank("gpu")
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        for p in model.parameters():
+            p.grad.reduce_("gpu", reduction="avg")
+        if fault and i == 2 and not ft.heals:
+            die_if(1)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    losses = [tdmesh.fetch_shard(ft.step(step, i)).result().item() for i in range(5)]
+    weights = [tdmesh.fetch_shard(model[0].weight, host=0, gpu=g).result() for g in (0, 1)]
+print("losses", losses, flush=True)
+print("replicas agree", torch.equal(weights[0], weights[1]), flush=True)
+print("heals", [(h.rank, h.step, h.replaced_by.split(" (")[0]) for h in ft.heals], flush=True)
+print("restart_count", tdmesh.restart_count(), flush=True)
