@@ -200,6 +200,7 @@ class Supervisor:
                 f"{client.info.where_logs()}"))
         if silent:
             rank, seen = silent[0]
+            client.observations.lost((rank,))  # what a heal replaces (tdmesh.FaultTolerance)
             return client.fail_from_supervisor(DeviceException(
                 f"{client.info.name(rank)} stopped heartbeating: nothing heard for "
                 f"{now - seen:.1f} s (heartbeat_timeout={timeout} s); it is hung or unreachable\n"

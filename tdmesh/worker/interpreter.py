@@ -243,7 +243,7 @@ class Interpreter:
             value = fn(*args, **kwargs)
             if not isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):  # a remote function
                 value = remote_results(value, msg.expect, msg.function)
-            self._bind(env, msg.results, value)
+            self._bind(env, msg.results, value, msg.function)
         except DependentOnError as e:
             self._poison(env, msg.results, msg.mutates, e.poison)
             take_part_when_poisoned(fn, raw_args, raw_kwargs, self.device, self.rank)

@@ -36,8 +36,8 @@ def _dies_with_parent() -> None:  # in the child, before exec: the kernel kills 
 
 def keep(script: str | None, script_args: list[str]) -> int:
     env = dict(os.environ, TDMESH_KEPT="1", TDMESH_RELAYS="0")  # a relay would die with its host's first worker
-    worker = subprocess.Popen([sys.executable, "-m", "tdmesh.worker", "--kept"], env=env,
-                              preexec_fn=_dies_with_parent)
+    worker = subprocess.Popen([sys.executable, "-m", "tdmesh.worker", "--kept", *([script] if script else [])],
+                              env=env, preexec_fn=_dies_with_parent)  # the script: its folder goes on sys.path
     client = None
     if script and int(os.environ["RANK"]) == 0:
         client = subprocess.Popen([sys.executable, "-m", "tdmesh._script", script, *script_args],

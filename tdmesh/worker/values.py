@@ -146,7 +146,7 @@ def _name(function) -> str:
     return function if isinstance(function, str) else "the remote function"
 
 
-def bind_results(env: dict, results: tuple, value) -> None:
+def bind_results(env: dict, results: tuple, value, function=None) -> None:
     """Bind what an op or function returned to its result refs: a tensor to the one ref, else the
     value's pytree leaves in order (None refs bind nothing); a count that differs is a TypeError."""
     if not results:  # the client asked for no results (propagate="inspect")
@@ -161,8 +161,8 @@ def bind_results(env: dict, results: tuple, value) -> None:
     else:
         leaves = tree_leaves(value)
         if len(leaves) != len(results):
-            raise TypeError(f"function returned {len(leaves)} values where the client expected "
-                            f"{len(results)}")
+            name = function if isinstance(function, str) else "function"
+            raise TypeError(f"{name} returned {len(leaves)} values where the client expected {len(results)}")
     for ref, leaf in zip(results, leaves):
         if ref is not None:
             env[ref] = leaf

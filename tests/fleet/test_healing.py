@@ -200,3 +200,28 @@ def test_under_torchrun_a_dead_worker_heals_without_a_restart():
     assert runs["--fault"]["heals"] == "[(1, 2, 'a spare')]" and runs[""]["heals"] == "[]"
     assert runs["--fault"]["losses"] == runs[""]["losses"]
     assert runs["--fault"]["restart_count"] == "0" and runs["--fault"]["replicas"] == "agree True"
+
+
+def test_a_hung_worker_is_stopped_and_replaced():
+    """A worker that stops heartbeating (SIGSTOP: alive, silent) is declared lost, SIGKILLed, and replaced."""
+    import signal
+    pids = set()
+    quick = tdmesh.SupervisionParams(heartbeat_interval=0.3, heartbeat_timeout=2.0)
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2, spares=1, pool=False, supervision=quick) as mesh, \
+            mesh.activate():
+        pids.update(h.pid for h in mesh.client.hellos.values())
+        w = torch.ones(3)
+        ft = tdmesh.FaultTolerance(mesh, [w], replicated="gpu")
+        hung = mesh.client.hellos[1].pid
+
+        def step():
+            if not ft.heals:
+                os.kill(hung, signal.SIGSTOP)
+            w.add_(1)
+            return tdmesh.fetch_shard(w.reduce("gpu"), host=0, gpu=1).result()
+
+        assert torch.equal(ft.step(step), torch.full((3,), 4.0))
+        assert [h.rank for h in ft.heals] == [1] and "stopped heartbeating" in ft.heals[0].cause
+        assert _gone(hung, within=5.0)
+        pids.update(h.pid for h in mesh.client.hellos.values())
+    assert all(_gone(pid) for pid in pids)
