@@ -19,12 +19,15 @@ from a checkpoint (``tdmesh.checkpoint``) there.
 from __future__ import annotations
 
 import gc
+import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torch.utils._pytree import tree_leaves
 
+from . import checkpoint
 from .engine.fetch import send_value
 from .engine.tensor import RefOwner, Tensor, describe
 from .errors import DeviceException, RemoteException, UsageError
@@ -61,7 +64,8 @@ class FaultTolerance:
     ``state``: what a step changes and a heal must put back — mesh tensors, modules, optimizers, dicts and
     lists of them, objects with ``state_dict``/``load_state_dict``.  ``replicated``: the dims along which the
     state is the same on every rank (DDP's data-parallel dim), where a new rank copies it from; ``None``: no
-    replica, so a heal needs ``checkpoint_dir`` (not built yet: refused).  ``max_heals``: more faults than
+    replica: a new rank loads the state of the step's start from ``checkpoint_dir``, where it is written as each
+    step ends (a save per step, on the step's path).  ``max_heals``: more faults than
     this raise.  ``shrink``: with no spare left, the mesh loses the dead rank's place along the replicated dim
     (``ft.mesh`` is the same object, smaller; its state is each survivor's own) instead of a new process
     taking it; the step runs again there (read the mesh's size in the step)."""
@@ -71,13 +75,11 @@ class FaultTolerance:
         fleet = getattr(mesh, "fleet", None)
         if fleet is None or fleet.mesh is not mesh:
             raise UsageError(f"FaultTolerance needs the mesh a launcher made (local_mesh, world_mesh), got {mesh!r}")
-        if checkpoint_dir is not None:
-            raise UsageError("FaultTolerance(checkpoint_dir=...) is not built yet: a heal copies the state from a "
-                             "replica; pass replicated=<the data-parallel dim>")
-        if replicated is None:
+        if replicated is None and checkpoint_dir is None:
             raise UsageError("FaultTolerance needs replicated=<dims along which the state is the same on every "
-                             "rank>: a new rank copies its state from a replica there")
-        dims = (replicated,) if isinstance(replicated, str) else tuple(replicated)
+                             "rank> (a new rank copies its state from a replica there), or checkpoint_dir=<a "
+                             "folder> (a new rank loads the state of the step's start from there)")
+        dims = () if replicated is None else (replicated,) if isinstance(replicated, str) else tuple(replicated)
         unknown = [d for d in dims if d not in mesh.names]
         if unknown:
             raise UsageError(f"FaultTolerance(replicated={replicated!r}): {mesh!r} has no dim {unknown[0]!r}; "
@@ -99,8 +101,11 @@ class FaultTolerance:
             fleet.processes.tolerant = True  # a dead worker must not make the launcher stop the others
         if fleet.store is not None and fleet.scope:  # under torchrun: a dead worker's keeper lets the job go on
             fleet.store.set(f"{fleet.scope}/healing", "1")
-        self._check_replicas(StepState(state, mesh))  # a state it cannot keep is refused here, not at a heal
+        self.checkpoint_dir = os.path.abspath(checkpoint_dir) if checkpoint_dir is not None else None
+        saved = StepState(state, mesh)
+        self._check_replicas(saved)  # a state it cannot keep is refused here, not at a heal
         self._rng = self._generators()
+        self._checkpoint(saved)
 
     def step(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
         """``fn(*args, **kwargs)``, run again after a heal until it completes; returns what it returns."""
@@ -116,8 +121,10 @@ class FaultTolerance:
                 call_remote(_stash, (self.steps, saved.refs), {}, mesh=self.mesh)
                 result = fn(*args, **kwargs)
                 rng = send_value(self.mesh, _RNG, (), {}, None)  # the step's last op: its answer is the commit
-                self._rng = self._by_rank(rng.result())
+                rng_next = self._by_rank(rng.result())
                 self._wait()  # work on other streams (the answer covers the default one)
+                self._checkpoint(StepState(self.state, self.mesh), self.steps + 1)
+                self._rng = rng_next
                 self.steps += 1
                 return result
             except BaseException as e:
@@ -152,18 +159,22 @@ class FaultTolerance:
             found = {rank: self._replica(rank, lost) for rank in dead}
             sources = {rank: source for rank, source in found.items() if source is not None}
             missing = [rank for rank in dead if rank not in sources]
-            if missing:
+            if missing and self.checkpoint_dir is None:
                 raise DeviceException(f"rank {missing[0]} died ({cause}) and no live replica along "
                                       f"{self.replicated} holds its state") from client.failure
             took, phases = reform(self._fleet, lost)
-            copies = [(sources[rank], rank) for rank in took]
+            copies = [(sources[rank], rank) for rank in took if rank in sources]
         new = self._fleet.client
         pointed = time.monotonic()
         self._repoint(new, set(saved.refs))
         phases["lost values"] = time.monotonic() - pointed
         restoring = time.monotonic()
-        done = send_value(self.mesh, _RESTORE, (self.steps, saved.refs, copies, self._rng), {}, None)
+        empty = {rank: {t.ref: (t.shape, t.stride(), t.dtype, t.requires_grad) for t in saved.held}
+                 for rank in took if rank not in {target for _, target in copies}}
+        done = send_value(self.mesh, _RESTORE, (self.steps, saved.refs, copies, self._rng, empty), {}, None)
         phases["copy"] = max(v["copy_s"] for _, v in done.result())
+        if empty:  # no replica had these ranks' state: the step's start, from the checkpoint
+            self._load_checkpoint(saved, cause)
         saved.restore()
         self._wait()
         phases["restore"] = time.monotonic() - restoring
@@ -171,6 +182,25 @@ class FaultTolerance:
         for rank, what in took.items():
             self.heals.append(HealRecord(rank, cause, what, time.monotonic() - failed_at, self.steps, dict(phases),
                                          failed_at))
+
+    def _checkpoint(self, saved: StepState, step: int = 0) -> None:
+        """With ``checkpoint_dir``: the state as the next step starts, written before that step begins (a
+        rank with no replica is restored from it); the one before is kept, older ones removed."""
+        if self.checkpoint_dir is None:
+            return
+        path = os.path.join(self.checkpoint_dir, f"step-{step:08d}")
+        checkpoint.save({f"r{ref}": t for ref, t in zip(saved.refs, saved.held)}, checkpoint_id=path)
+        for old in sorted(os.listdir(self.checkpoint_dir))[:-2]:
+            if old.startswith("step-"):
+                shutil.rmtree(os.path.join(self.checkpoint_dir, old), ignore_errors=True)
+
+    def _load_checkpoint(self, saved: StepState, cause: str) -> None:
+        assert self.checkpoint_dir is not None
+        path = os.path.join(self.checkpoint_dir, f"step-{self.steps:08d}")
+        if not checkpoint.is_complete(path):
+            raise DeviceException(f"a rank with no live replica died ({cause}) and the checkpoint of step "
+                                  f"{self.steps}'s start ({path}) is not complete")
+        checkpoint.load({f"r{ref}": t for ref, t in zip(saved.refs, saved.held)}, checkpoint_id=path)
 
     def _kept_when_shrinking(self, dead: list[int], cause: str) -> list[int]:
         """The ranks of the smaller mesh: every rank but those at the dead ranks' places along the replicated dim

@@ -144,7 +144,7 @@ def _start_local_fleet(hosts: int, gpus_per_host: int, backend: str | None, logg
     if not cuda:
         base_env["TDMESH_DEVICE"] = "cpu"
     if spares:  # a heal re-connects the workers: each its own connection (a relay would die with its host's first)
-        base_env["TDMESH_RELAYS"] = "0"
+        base_env.update(TDMESH_RELAYS="0", TDMESH_SPARES=str(spares))
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: N workers must not each spin N threads
         base_env["OMP_NUM_THREADS"] = "1"
     # Workers import what the client can: functions travel by import path when they have one.

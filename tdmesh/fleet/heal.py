@@ -120,6 +120,7 @@ def _next_generation(fleet: Fleet, lost: list[int], ranks: dict[int, int], world
         process_ranks.update((index, rank) for rank, index in fleet.process_of.items())
     fleet.log_files = {new: fleet.log_files[rank] for rank, new in ranks.items() if rank in fleet.log_files}
     fleet.client, fleet.gate, fleet.pool_key = client, gate, None  # a healed fleet is never parked
+    fleet.store.set(f"{scope}/healing", "1")  # the workers of this generation: an error may be a dead peer's
     mesh_size = len(old.ranks) - len(fleet.spares)
     fleet.spares = tuple(range(mesh_size, world))
     log.info("tdmesh: healed %s in %s", ranks, scope)

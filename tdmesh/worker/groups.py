@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..geometry.grouping import all_groups
 from ..protocol import messages as m
+from . import healing
 
 log = logging.getLogger("tdmesh.worker")
 
@@ -69,10 +70,12 @@ class Groups:
             member_lists = [list(range(self.world_size))]
         else:
             member_lists = all_groups(msg.mesh, msg.dims)
+        backend = "gloo" if msg.kind == "checkpoint" else None
+        made = healing.interruptible(lambda: [dist.new_group(members, backend=backend,
+                                                             group_desc=f"tdmesh:{msg.kind}:s{msg.stream}:{i}")
+                                              for i, members in enumerate(member_lists)])
         mine = None
-        for i, members in enumerate(member_lists):
-            group = dist.new_group(members, backend="gloo" if msg.kind == "checkpoint" else None,
-                                   group_desc=f"tdmesh:{msg.kind}:s{msg.stream}:{i}")
+        for members, group in zip(member_lists, made):
             if self.rank in members:
                 mine = group
         self._groups[key] = mine  # None where this rank is outside the mesh

@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,6 +85,46 @@ def watch(conn, key: str) -> Callable[[], None]:
         stop.set()
         thread.join()
     return end
+
+
+def interruptible(make: Callable[[], Any]) -> Any:
+    """``make()`` (creating process groups: collective over the world) on a thread of its own, while this
+    thread waits for it or for a heal.  A rank that died in the middle of creating a gloo group leaves its
+    peers retrying their connection to it until the group's timeout, in C++, where nothing cuts them free;
+    so the message thread leaves that call behind (it ends on its own, failing) and the session heals."""
+    done = threading.Event()
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append((True, make()))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            out.append((False, e))
+        done.set()
+
+    threading.Thread(target=run, name="tdmesh-new-groups", daemon=True).start()
+    while not done.wait(0.05):
+        if pending is not None:
+            raise RuntimeError("creating process groups: a heal left the call behind (a worker died)")
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def wait_for_heal(key: str, seconds: float) -> bool:
+    """After an error in the session: where the client heals this fleet (``key`` is in the store), wait for
+    its Heal a moment; an error caused by a dead peer (creating a group with it) then heals, not ends, this
+    worker.  True once a Heal is pending."""
+    try:
+        if pending is None and not connect_store(timeout=10.0).check([key]):
+            return False
+    except Exception:  # noqa: BLE001 - no store: no heal to wait for
+        return False
+    deadline = time.monotonic() + seconds
+    while pending is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pending is not None
 
 
 def take_pending() -> m.Heal | None:
@@ -232,11 +273,12 @@ def _sockets() -> dict[int, int]:
     return found
 
 
-def restore(tag: int, refs: list[int], copies: list[tuple[int, int]], bundles: dict) -> dict:
+def restore(tag: int, refs: list[int], copies: list[tuple[int, int]], bundles: dict, empty: dict) -> dict:
     """The new session's first call: bind the state's refs as they were when step ``tag`` began.
 
     ``copies``: (source rank, new rank) pairs, over the new world group: the source sends its state, the
-    new rank (a spare in a dead rank's place) receives it.  ``bundles``: every rank's generator states."""
+    new rank (a spare in a dead rank's place) receives it.  ``bundles``: every rank's generator states.
+    ``empty``: {new rank with no replica: {ref: its layout}}: tensors made for the checkpoint's load."""
     global _stash, _kept
     env = _env()
     me = dist.get_rank()
@@ -256,6 +298,10 @@ def restore(tag: int, refs: list[int], copies: list[tuple[int, int]], bundles: d
         if sources:
             state = _receive(sources[0])
         copied = time.perf_counter() - began
+    if me in empty:  # a new rank with no replica to copy from: the client loads a checkpoint into these
+        device = _device()
+        for ref, (shape, stride, dtype, requires_grad) in empty[me].items():
+            state[ref] = torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(requires_grad)
     missing = [ref for ref in refs if ref not in state]
     if missing:
         raise RuntimeError(f"rank {me} has no copy of the state's refs {missing[:8]} to restore")

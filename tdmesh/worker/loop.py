@@ -80,7 +80,9 @@ def run_worker(attachable: bool = False) -> tuple[int, bool]:
     device = pick_device()
     backend = env_str("TDMESH_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
     store = connect_store()
-    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    # NCCL's world communicator made up front, except where spares share the mesh's GPUs (local_mesh): NCCL
+    # refuses two ranks on one device, and no collective of the mesh spans a spare (it is made at a first use)
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" and not env_int("TDMESH_SPARES") else {}
     seed = torch.initial_seed()
     while True:
         began = time.monotonic()
@@ -329,7 +331,8 @@ def _session(rank: int, device: torch.device, address: tuple[str, int], token: s
             if interp.fatal is not None and not isinstance(interp.fatal, DeviceBroken):
                 raise interp.fatal
     except Exception as e:  # noqa: BLE001 - each kind of end is told apart in _broken_session
-        if healing.pending is not None:  # the heal watch cut what this thread waited on
+        if healing.wait_for_heal(f"{job_scope()}/healing", 10.0):  # the heal watch cut what this thread waited
+            # on, or a dead peer broke it and the client heals the fleet
             healing.leave(interp)
             return 0, True, healing.take_pending()
         return _broken_session(rank, e)

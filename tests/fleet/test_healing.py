@@ -225,3 +225,28 @@ def test_a_hung_worker_is_stopped_and_replaced():
         assert _gone(hung, within=5.0)
         pids.update(h.pid for h in mesh.client.hellos.values())
     assert all(_gone(pid) for pid in pids)
+
+
+def _per_rank_job(checkpoint_dir: str, fault: bool) -> list:
+    from healing_job import die_if
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2, spares=1, pool=False) as mesh, mesh.activate():
+        torch.manual_seed(0)
+        w = torch.ones(3) * (mesh.rank("gpu") + 1)  # each rank its own: no replica anywhere
+        ft = tdmesh.FaultTolerance(mesh, {"w": w}, checkpoint_dir=checkpoint_dir)
+
+        def step(i: int):
+            w.mul_(1.5).add_(torch.rand(3))
+            if fault and i == 2 and not ft.heals:
+                die_if(1, "sigkill")
+
+        for i in range(4):
+            ft.step(step, i)
+        assert len(ft.heals) == int(fault)
+        return [tdmesh.fetch_shard(w, host=0, gpu=g).result() for g in (0, 1)]
+
+
+def test_with_no_replica_a_new_rank_loads_the_steps_start_from_the_checkpoint(tmp_path):
+    healed = _per_rank_job(str(tmp_path / "healed"), True)
+    plain = _per_rank_job(str(tmp_path / "plain"), False)
+    assert _same(healed, plain) and not torch.equal(healed[0], healed[1])
+    assert sorted(os.listdir(tmp_path / "healed")) == ["step-00000003", "step-00000004"]
