@@ -29,6 +29,7 @@ NOT_BENCHES = {
     "helpers": "shared pieces, imported by every bench",
     "sim_host": "a simulated host, started by bench.scale (whose smoke run prints its table (b))",
     "ddp_train": "the DDP baseline, run under torchrun by bench.train_step (whose smoke run prints its row)",
+    "heal_restart_job": "bench.heal's restart-and-resume baseline, run under torchrun by bench.heal",
 }
 
 

@@ -44,7 +44,8 @@ def main(argv=None) -> None:
     p.add_argument("--heals", type=int, default=3, help="faults healed (each with a spare)")
     p.add_argument("--state-mb", type=int, default=0, help="MB of replicated state added (restore throughput)")
     p.add_argument("--no-restart", action="store_true", help="skip the restart-and-resume baseline")
-    args = p.parse_args(argv)
+    from bench.helpers import parse
+    args = parse(p, argv, blocks=1, steps=3, heals=1, no_restart=True)
     if args.device == "cpu":
         os.environ["TDMESH_DEVICE"] = "cpu"
     sys.path.insert(0, os.path.join(ROOT, "tutorials"))

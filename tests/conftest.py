@@ -16,10 +16,10 @@ from tdmesh.config import cpu_forced, env_str
 # order is by test count, which put the one-test differential and OpInfo files
 # last, where one process ran them alone for minutes), so these start first and the many short files
 # fill in beside them: the longest-first rule keeps the two processes' ends within a short file.
-LONG_FILES = ("test_compile_differential.py", "test_smoke.py", "test_supervision.py", "test_tutorials.py",
-              "test_checkpoint.py", "test_debugging.py", "test_torchrun.py", "test_pool.py", "test_docs.py",
-              "test_security_fleet.py", "test_attach.py", "test_opinfo.py", "test_fuzz_fleet.py", "test_launch.py",
-              "test_dashboard.py", "test_relays.py", "test_engine.py", "test_programs.py")
+LONG_FILES = ("test_compile_differential.py", "test_smoke.py", "test_healing.py", "test_supervision.py",
+              "test_tutorials.py", "test_checkpoint.py", "test_debugging.py", "test_torchrun.py", "test_pool.py",
+              "test_docs.py", "test_security_fleet.py", "test_attach.py", "test_opinfo.py", "test_fuzz_fleet.py",
+              "test_launch.py", "test_dashboard.py", "test_relays.py", "test_engine.py", "test_programs.py")
 
 
 def pytest_runtest_setup(item):

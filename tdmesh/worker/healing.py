@@ -312,18 +312,30 @@ def restore(tag: int, refs: list[int], copies: list[tuple[int, int]], bundles: d
     return {"copy_s": copied if copies else 0.0, "bytes": nbytes}
 
 
+_ALONE = 1 << 20  # bytes: a dense tensor at least this big travels by itself, straight into its new home
+
+
+def _alone(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.numel() * t.element_size() >= _ALONE
+
+
 def _send(state: dict[int, torch.Tensor], refs: list[int], target: int) -> None:
-    """The state to ``target``: a description (pickled), then one flat buffer per dtype."""
+    """The state to ``target``: a description (pickled), each big dense tensor as itself (no copy on either
+    side), then the rest packed in one flat buffer per dtype."""
     by_dtype: dict[torch.dtype, list] = {}
     layout = []
     for ref in refs:
         t = state[ref]
-        layout.append((ref, tuple(t.shape), t.stride(), t.dtype, t.requires_grad))
-        by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
+        layout.append((ref, tuple(t.shape), t.stride(), t.dtype, t.requires_grad, _alone(t)))
+        if not _alone(t):
+            by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
     header = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8)
     device = next(iter(state.values())).device if state else torch.device("cpu")
     dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=device), target)
     dist.send(header.to(device), target)
+    for ref in refs:
+        if _alone(state[ref]):
+            dist.send(state[ref].detach(), target)
     for dtype in sorted(by_dtype, key=str):
         dist.send(torch.cat(by_dtype[dtype]), target)
 
@@ -336,12 +348,17 @@ def _receive(source: int) -> dict[int, torch.Tensor]:
     dist.recv(header, source)
     layout = pickle.loads(header.cpu().numpy().tobytes())
     state = {}
-    for dtype in sorted({entry[3] for entry in layout}, key=str):
-        entries = [e for e in layout if e[3] is dtype]
+    for ref, shape, stride, dtype, requires_grad, alone in layout:
+        if alone:
+            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            dist.recv(t, source)
+            state[ref] = t.requires_grad_(requires_grad)
+    for dtype in sorted({entry[3] for entry in layout if not entry[5]}, key=str):
+        entries = [e for e in layout if e[3] is dtype and not e[5]]
         flat = torch.empty(sum(_numel(e[1]) for e in entries), dtype=dtype, device=device)
         dist.recv(flat, source)
         at = 0
-        for ref, shape, stride, _, requires_grad in entries:
+        for ref, shape, stride, _, requires_grad, _ in entries:
             n = _numel(shape)
             t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
             t.copy_(flat[at:at + n].view(shape))

@@ -31,7 +31,7 @@ REPORTS = {
     "eager_bound": "workers alone", "fetch": "MiB", "grad_generator": "1x2 mesh", "hf_sweep": "rows: ",
     "idle": "the client with the mesh open", "reduce": "all_reduce", "save_cost": "plain dcp.save", "soak": "RSS",
     "scale": "(b) simulated fleet", "startup": "tdmesh warm", "train_step": "torchrun DDP", "transport": "zmq",
-    "ecosystem": "(2) GPT2LMHeadModel.from_pretrained",
+    "ecosystem": "(2) GPT2LMHeadModel.from_pretrained", "heal": "heal: kill -> step running again",
 }
 
 
