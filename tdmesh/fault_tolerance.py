@@ -155,6 +155,7 @@ class FaultTolerance:
             self.mesh._shape = Shape(self.mesh.names, Slice.new_row_major(sizes))  # the same mesh, smaller
             self.mesh.__dict__.pop("rank_list", None)
             copies: list[tuple[int, int]] = []
+            missing: list[int] = []
         else:
             found = {rank: self._replica(rank, lost) for rank in dead}
             sources = {rank: source for rank, source in found.items() if source is not None}
@@ -170,7 +171,7 @@ class FaultTolerance:
         phases["lost values"] = time.monotonic() - pointed
         restoring = time.monotonic()
         empty = {rank: {t.ref: (t.shape, t.stride(), t.dtype, t.requires_grad) for t in saved.held}
-                 for rank in took if rank not in {target for _, target in copies}}
+                 for rank in missing}  # no replica: the checkpoint of the step's start fills these
         done = send_value(self.mesh, _RESTORE, (self.steps, saved.refs, copies, self._rng, empty), {}, None)
         phases["copy"] = max(v["copy_s"] for _, v in done.result())
         if empty:  # no replica had these ranks' state: the step's start, from the checkpoint

@@ -283,21 +283,24 @@ def restore(tag: int, refs: list[int], copies: list[tuple[int, int]], bundles: d
     env = _env()
     me = dist.get_rank()
     state: dict[int, torch.Tensor] = {}
+    start: dict[int, torch.Tensor] = {}  # the values of the step's start: the stash's copies, sent as they are
     with torch.no_grad():
         for ref in refs:
             if _tag == tag and ref in _stash:
-                live, copy = _stash[ref]
-                state[ref] = live.copy_(copy)
+                state[ref], start[ref] = _stash[ref]
             elif ref in _kept:
-                state[ref] = _kept[ref]  # the stash never ran here: nothing of the step did either
+                state[ref] = start[ref] = _kept[ref]  # the stash never ran here: nothing of the step did either
         began = time.perf_counter()
-        for source, target in copies:
+        for source, target in copies:  # first: the new rank waits for nothing but the bytes
             if source == me:
-                _send(state, refs, target)
+                _send(start, refs, target, {ref: state[ref].requires_grad for ref in refs})
         sources = [source for source, target in copies if target == me]
         if sources:
             state = _receive(sources[0])
         copied = time.perf_counter() - began
+        for ref, live in state.items():
+            if start.get(ref) is not None and start[ref] is not live:
+                live.copy_(start[ref])
     if me in empty:  # a new rank with no replica to copy from: the client loads a checkpoint into these
         device = _device()
         for ref, (shape, stride, dtype, requires_grad) in empty[me].items():
@@ -319,14 +322,15 @@ def _alone(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.numel() * t.element_size() >= _ALONE
 
 
-def _send(state: dict[int, torch.Tensor], refs: list[int], target: int) -> None:
-    """The state to ``target``: a description (pickled), each big dense tensor as itself (no copy on either
-    side), then the rest packed in one flat buffer per dtype."""
+def _send(state: dict[int, torch.Tensor], refs: list[int], target: int, grads: dict[int, bool]) -> None:
+    """The state to ``target``: a description (pickled; ``grads``: whether each requires grad, as the live
+    tensor does: the copies sent do not), each big dense tensor as itself (no copy on either side), then the
+    rest packed in one flat buffer per dtype."""
     by_dtype: dict[torch.dtype, list] = {}
     layout = []
     for ref in refs:
         t = state[ref]
-        layout.append((ref, tuple(t.shape), t.stride(), t.dtype, t.requires_grad, _alone(t)))
+        layout.append((ref, tuple(t.shape), t.stride(), t.dtype, grads[ref], _alone(t)))
         if not _alone(t):
             by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
     header = torch.frombuffer(bytearray(pickle.dumps(layout)), dtype=torch.uint8)
