@@ -58,6 +58,7 @@ VARIABLES = {
     "TDMESH_HEALABLE": ("auto", "under torchrun: 1 runs each rank's worker one process below torchrun's, so that its "
                                 "death heals (tdmesh.FaultTolerance) without torchrun restarting the job; 'auto': when "
                                 "TDMESH_SPARES > 0; 0: never"),
+    "TDMESH_KEPT": ("", "internal: 1 in a worker that a torchrun rank's keeper started (worker/keeper.py)"),
     "TDMESH_RELAYS": ("auto", "per-host relays: 'auto' (when the job spans hosts, or its one host has a core for each "
                               "rank and the client), '1' or '0' (every rank connects to the client itself); attach "
                               "mode never uses them"),
@@ -85,6 +86,7 @@ VARIABLES = {
     "TDMESH_TEST_MESH": ("2x2", "tests only: HOSTSxGPUS, the mesh of the collective and stream suites"),
     "TDMESH_TEST_TIMEOUT": ("600", "tests only: seconds a test may run before it fails with its stacks (0: none)"),
     "TDMESH_DIFFERENTIAL_EXAMPLES": ("150", "tests only: examples of the eager-vs-compiled differential test"),
+    "TDMESH_HEAL_EXAMPLES": ("7", "tests only: examples (3 drawn faults each) of the healed-vs-fault-free test"),
     "TDMESH_DIFFERENTIAL_SEED": ("26", "tests only: hypothesis's seed for the differential test"),
 }
 

@@ -24,7 +24,7 @@ POLL = 0.1  # seconds between looks at the children
 def wanted(serve: bool) -> bool:
     """Whether this torchrun process should keep its worker one level down."""
     from ..config import env_int, env_str
-    if serve or os.environ.get("TDMESH_KEPT") == "1":
+    if serve or env_str("TDMESH_KEPT") == "1":
         return False
     setting = env_str("TDMESH_HEALABLE")
     return setting == "1" or (setting == "auto" and env_int("TDMESH_SPARES") > 0)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from _processes import gone
 
 import tdmesh
 
@@ -22,22 +22,6 @@ from paths import SCRIPTS
 
 def rank_of():
     return int(os.environ["RANK"])
-
-
-def _gone(pid: int, within: float = 30.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:  # a child of this process that exited: reap it, else it lingers as a zombie
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return True
-        except ChildProcessError:
-            pass
-        time.sleep(0.1)
-    return False
 
 
 @pytest.mark.parametrize("spares", [1, 2])
@@ -57,7 +41,7 @@ def test_spares_stay_outside_the_mesh_and_leave_with_it(spares):
         assert torch.equal(got[0], torch.arange(3.0) * 2) and torch.equal(got[1], torch.arange(3.0) * 3)
         for r in range(2, 2 + spares):
             os.kill(pids[r], 0)  # alive while the fleet is
-    assert all(_gone(pid) for pid in pids.values())
+    assert all(gone(pid) for pid in pids.values())
 
 
 def test_torchrun_keeps_the_last_ranks_as_spares():

@@ -4,7 +4,7 @@
         tests/scripts/heal_torchrun_job.py [--fault]
 
 Prints the losses, the heals and ``restart_count``; with ``--fault`` the worker of rank 1 is SIGKILLed in
-step 2.  The test compares the run with the fault against the run without.
+step 2.  The test compares the run with the fault against ``train`` on a local mesh without it.
 """
 import os
 import signal
@@ -21,29 +21,35 @@ def die_if(rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-fault = "--fault" in sys.argv
-mesh = tdmesh.world_mesh()
-with mesh.activate():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    ft = tdmesh.FaultTolerance(mesh, {"model": model, "opt": opt}, replicated="gpu")
+def train(mesh, fault: bool):
+    """The job on ``mesh``: its losses, whether the replicas agree, its heals."""
+    with mesh.activate():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        ft = tdmesh.FaultTolerance(mesh, {"model": model, "opt": opt}, replicated="gpu")
 
-    def step(i: int):
-        x = torch.randn(4, 8) + mesh.rank("gpu")
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        for p in model.parameters():
-            p.grad.reduce_("gpu", reduction="avg")
-        if fault and i == 2 and not ft.heals:
-            die_if(1)
-        opt.step()
-        opt.zero_grad()
-        return loss
+        def step(i: int):
+            x = torch.randn(4, 8) + mesh.rank("gpu")
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            for p in model.parameters():
+                p.grad.reduce_("gpu", reduction="avg")
+            if fault and i == 2 and not ft.heals:
+                die_if(1)
+            opt.step()
+            opt.zero_grad()
+            return loss
 
-    losses = [tdmesh.fetch_shard(ft.step(step, i)).result().item() for i in range(5)]
-    weights = [tdmesh.fetch_shard(model[0].weight, host=0, gpu=g).result() for g in (0, 1)]
-print("losses", losses, flush=True)
-print("replicas agree", torch.equal(weights[0], weights[1]), flush=True)
-print("heals", [(h.rank, h.step, h.replaced_by.split(" (")[0]) for h in ft.heals], flush=True)
-print("restart_count", tdmesh.restart_count(), flush=True)
+        losses = [tdmesh.fetch_shard(ft.step(step, i)).result().item() for i in range(5)]
+        weights = [tdmesh.fetch_shard(model[0].weight, host=0, gpu=g).result() for g in (0, 1)]
+    return losses, torch.equal(weights[0], weights[1]), [(h.rank, h.step, h.replaced_by.split(" (")[0])
+                                                         for h in ft.heals]
+
+
+if __name__ == "__main__":
+    losses, agree, heals = train(tdmesh.world_mesh(), "--fault" in sys.argv)
+    print("losses", losses, flush=True)
+    print("replicas agree", agree, flush=True)
+    print("heals", heals, flush=True)
+    print("restart_count", tdmesh.restart_count(), flush=True)
