@@ -54,6 +54,7 @@ faults = st.lists(st.tuples(st.integers(0, STEPS - 1), st.sampled_from(POINTS), 
                             st.sampled_from(HOWS)), min_size=3, max_size=3, unique_by=lambda f: f[0])
 
 
+@pytest.mark.time_limit(max(600, 20 * EXAMPLES))  # ~8 s an example here, twice that on a busy machine
 @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
           phases=(Phase.explicit, Phase.generate))  # no shrinking: each example is a fleet's run
 @given(faults=faults)
