@@ -47,8 +47,9 @@ _FINGERPRINTS = "tdmesh.worker.healing.fingerprints"
 
 
 class HealRecord(NamedTuple):
-    """One heal: the mesh rank that died, why, the process that took its place (its rank before), the seconds
-    from the failure seen to the step running again, the step (``ft.steps`` then), and that time's parts."""
+    """One heal: the mesh rank that died, why, what took its place (a spare or a new process, with its pid, or
+    nothing where the mesh shrank), the seconds from the failure seen to the step running again, the step
+    (``ft.steps`` then), and that time's parts."""
     rank: int
     cause: str
     replaced_by: str
