@@ -147,12 +147,9 @@ class FaultTolerance:
         dead = [rank for rank in lost if rank in self.mesh.rank_list]
         began = time.monotonic()
         if self.shrink and len([s for s in self._fleet.spares if s not in lost]) < len(dead):
-            keep = self._kept_when_shrinking(dead, cause)
+            keep, sizes = self._kept_when_shrinking(dead, cause)
             took, phases = reform(self._fleet, lost, shrink_to=keep)
             self._rng = {new: self._rng[old] for new, old in enumerate(keep)}
-            shape = self.mesh.shape
-            sizes = [shape.sizes[d] - (len({shape.coordinates(r)[d] for r in dead}) if d == self.replicated[0] else 0)
-                     for d in self.mesh.names]
             self.mesh._shape = Shape(self.mesh.names, Slice.new_row_major(sizes))  # the same mesh, smaller
             self.mesh.__dict__.pop("rank_list", None)
             copies: list[tuple[int, int]] = []
@@ -204,9 +201,10 @@ class FaultTolerance:
                                   f"{self.steps}'s start ({path}) is not complete")
         checkpoint.load({f"r{ref}": t for ref, t in zip(saved.refs, saved.held)}, checkpoint_id=path)
 
-    def _kept_when_shrinking(self, dead: list[int], cause: str) -> list[int]:
-        """The ranks of the smaller mesh: every rank but those at the dead ranks' places along the replicated dim
-        (on a mesh of more dims, the dead rank's whole replica drops out; its live ranks become spares)."""
+    def _kept_when_shrinking(self, dead: list[int], cause: str) -> tuple[list[int], list[int]]:
+        """The ranks of the smaller mesh and its sizes: every rank but those at the dead ranks' places along the
+        replicated dim (on a mesh of more dims, the dead rank's whole replica drops out; its live ranks become
+        spares)."""
         if len(self.replicated) != 1:
             raise DeviceException(f"rank {dead[0]} died ({cause}) and no spare is left: shrinking needs one "
                                   f"replicated dim, not {self.replicated}")
@@ -215,7 +213,8 @@ class FaultTolerance:
         keep = [r for r in self.mesh.rank_list if self.mesh.shape.coordinates(r)[dim] not in gone]
         if not keep:
             raise DeviceException(f"rank {dead[0]} died ({cause}): no rank of the mesh is left to shrink to")
-        return keep
+        sizes = [self.mesh.sizes[d] - (len(gone) if d == dim else 0) for d in self.mesh.names]
+        return keep, sizes
 
     def _lost(self) -> list[int]:
         """The ranks that died: those the client lost, and those whose process the launcher saw die."""
@@ -264,15 +263,10 @@ class FaultTolerance:
 
     def _wait(self) -> None:
         """Until every op sent so far ran, or the fleet broke (then raise its failure)."""
-        client = self.mesh.client
-        with client.lock:
-            waiting = len(client.history) and client.failure is None
-            if waiting:
-                client.request_status(client.last_seq)
-        if waiting:
-            client.pump(None, until=lambda: not len(client.history) or client.failure is not None)
-        if client.failure is not None:
-            raise client.failure
+        self._fleet.drain(timeout=None)
+        failure = self.mesh.client.failure
+        if failure is not None:
+            raise failure
 
     def _check_replicas(self, saved: StepState) -> None:
         """The state must be the same along the replicated dims (a heal copies a replica's to the new rank):

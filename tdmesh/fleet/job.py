@@ -245,7 +245,7 @@ class Fleet:
         self.generation = 0
         self.process_of = {r: r for r in client.ranks}  # rank -> the launcher's index of its process
 
-    def drain(self, timeout: float = 60.0) -> None:
+    def drain(self, timeout: float | None = 60.0) -> None:
         """Wait until every op sent so far has run, so every remote error is known."""
         client = self.client
         if client.failure is not None or client.closed:
