@@ -4,21 +4,22 @@
     for batch in data:
         loss = ft.step(train_step, batch)
 
-``ft.step(fn, ...)`` runs one step.  Its first op copies the state's mesh tensors on each worker
-(``worker/healing.stash``) and the client notes the rest (``step_state.StepState``); as the step ends it
-waits for every op of it and fetches each worker's generator states.  If a worker dies in the step (killed,
-``os._exit``, a broken device, a missed heartbeat) the step's futures fail at once and the controller heals:
-the survivors leave the broken session, a spare takes the dead rank's number and every process group is
-formed again (``fleet/heal.py``), every rank's state goes back to the step's start — the new rank's copied
-from a replica along ``replicated`` — with the generators, and ``fn`` runs again.  A healed job ends bit
-for bit as the job without the fault.  Tensors that were not in the state (the failed step's activations,
-an old loss) are lost: using one raises at the user's line.  The controller's own death stays fatal: resume
-from a checkpoint (``tdmesh.checkpoint``) there.
+``ft.step(fn, ...)`` issues one step and returns: the workers run it while the client issues the next one
+(a lagged commit).  Every few steps the step's first op copies the state's mesh tensors on each worker
+(``worker/healing.stash``, two copies kept) and the client notes the rest (``step_state.StepState``); the
+copy's answer, each worker's generator states, confirms every step before it.  Before the client does
+anything else (an op outside ``ft.step``, a wait on a value) every step is confirmed (``engine/settle.py``).
+If a worker dies (killed, ``os._exit``, a broken device, a missed heartbeat) the futures fail at once and the
+controller heals: the survivors leave the broken session, a spare takes the dead rank's number and every
+process group is formed again (``fleet/heal.py``), every rank's state goes back to the newest confirmed copy
+— the new rank's from a replica along ``replicated`` — with the generators, and the steps since run again,
+what they returned bound to the new values.  A healed job ends bit for bit as the job without the fault.
+Other tensors of the broken session (activations, an old loss) are lost: using one raises at the user's
+line.  The controller's own death stays fatal: resume from a checkpoint (``tdmesh.checkpoint``) there.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import time
@@ -28,19 +29,20 @@ from typing import Any, NamedTuple
 from torch.utils._pytree import tree_leaves
 
 from . import checkpoint
+from .engine import settle
 from .engine.fetch import send_value
-from .engine.tensor import RefOwner, Tensor, describe
+from .engine.tensor import Tensor, describe
 from .errors import DeviceException, RemoteException, UsageError
 from .fleet.heal import reform
 from .geometry.shape import Shape
 from .geometry.slice import Slice
+from .heal_plan import check_replicas, kept_when_shrinking, lost_ranks, replica_of, repoint
 from .mesh import DeviceMesh
-from .remote import Remote, call_remote
-from .step_state import StepState
+from .step_state import UNSET, StepRecord, StepState, rebind
 
 __all__ = ["FaultTolerance", "HealRecord"]
 
-_stash = Remote("tdmesh.worker.healing.stash", propagate=lambda *a: None)
+_STASH = "tdmesh.worker.healing.stash"
 _RESTORE = "tdmesh.worker.healing.restore"
 _RNG = "tdmesh.worker.healing.rng_bundle"
 _FINGERPRINTS = "tdmesh.worker.healing.fingerprints"
@@ -48,8 +50,8 @@ _FINGERPRINTS = "tdmesh.worker.healing.fingerprints"
 
 class HealRecord(NamedTuple):
     """One heal: the mesh rank that died, why, what took its place (a spare or a new process, with its pid, or
-    nothing where the mesh shrank), the seconds from the failure seen to the step running again, the step
-    (``ft.steps`` then), and that time's parts."""
+    nothing where the mesh shrank), the seconds from the failure seen to the steps running again, the first
+    step run again (the newest confirmed copy's: the failed step or one before it), and that time's parts."""
     rank: int
     cause: str
     replaced_by: str
@@ -60,6 +62,9 @@ class HealRecord(NamedTuple):
 
 
 class FaultTolerance:
+    stash_every = 4  # steps at least between two copies of the state on the workers
+    window_cap = 64  # steps a heal may have to run again at most: past it the client waits for the workers
+
     """Heals ``mesh``'s fleet when a worker dies in :meth:`step` (see the module's docstring).
 
     ``state``: what a step changes and a heal must put back — mesh tensors, modules, optimizers, dicts and
@@ -90,14 +95,17 @@ class FaultTolerance:
                              "with its first worker): set TDMESH_RELAYS=0 for the fleet (local_mesh with spares does)")
         if max_heals < 0:
             raise UsageError(f"FaultTolerance(max_heals={max_heals}): a count, >= 0")
-        self.mesh = mesh
+        self._mesh = mesh
         self.state = state
         self.replicated = dims
         self.max_heals = max_heals
         self.shrink = shrink
-        self.heals: list[HealRecord] = []
+        self._heals: list[HealRecord] = []
         self.steps = 0
         self._fleet = fleet
+        self._window: list[StepRecord] = []  # the steps issued and not yet confirmed, oldest first (two at most)
+        self._issued = 0  # the next step's number
+        self._last: Any = None  # what the newest confirmed step returned
         if fleet.processes is not None and hasattr(fleet.processes, "tolerant"):
             fleet.processes.tolerant = True  # a dead worker must not make the launcher stop the others
         if fleet.store is not None and fleet.scope:  # under torchrun: a dead worker's keeper lets the job go on
@@ -108,54 +116,183 @@ class FaultTolerance:
         self._rng = self._generators()
         self._checkpoint(saved)
 
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The mesh to use: the same object after a heal (smaller after a shrink).  Read after the steps before
+        are confirmed, so a fault still to be found is healed first."""
+        settle.settle()
+        return self._mesh
+
+    @property
+    def heals(self) -> list[HealRecord]:
+        """Every heal so far (after the steps before are confirmed)."""
+        settle.settle()
+        return self._heals
+
     def step(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
-        """``fn(*args, **kwargs)``, run again after a heal until it completes; returns what it returns."""
+        """``fn(*args, **kwargs)``, run again after a heal until it completes; returns what it returns.
+
+        It returns once the step is issued, so the workers run it while the client issues the next one.  As
+        every ``stash_every``-th step begins the workers copy the state (two copies are kept); a copy's answer
+        (each rank's generators then) confirms every step before it.  The client waits only before a third
+        copy, for the second one's answer: unless it is that many steps ahead of the workers, it never waits.
+        Before it issues anything else or waits on a value, every step is confirmed (``engine/settle.py``).
+        A worker's death heals and runs again every step since the newest copy answered (what they returned
+        is bound to the new run's values).  With ``checkpoint_dir`` each step is confirmed before it returns
+        (the checkpoint of its end is written then)."""
         held = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         if held:
             raise UsageError(f"ft.step's arguments hold a mesh tensor ({describe(held[0])}): a heal cannot give a "
                              f"new rank its value; make it inside the step (from local data, or a remote function), "
                              f"or put it in FaultTolerance's state")
+        settle.cancel()  # this step confirms what it must itself
+        number = self._issued
+        point = self._copies_now(number)
+        saved = StepState(self.state, self._mesh, full=point)
+        try:
+            self._issue(number, fn, args, kwargs, saved)
+            if self.checkpoint_dir is not None:
+                self._confirm_all()
+        except BaseException as e:
+            if not self._broken(e):
+                self._abandon(e)
+                raise
+            if not self._window or self._window[-1].number != number:  # cut short: it runs again too
+                self._window.append(StepRecord(number, fn, args, kwargs, saved, UNSET, None))
+            self._heal_and_rerun(time.monotonic())
+        self._issued += 1
+        self.steps += 1
+        if self._window:
+            settle.defer(self._settle, self._fleet)
+            return self._window[-1].result
+        return self._last
+
+    def _copies_now(self, number: int) -> bool:
+        """Whether step ``number`` begins with a copy of the state: the first of a window (each step with a
+        checkpoint_dir), and one ``stash_every`` steps or more after the window's newest copy, once a third
+        copy would not wait (the second has answered) or the window has grown to ``window_cap`` steps."""
+        if not self._window or self.checkpoint_dir is not None:
+            return True
+        copies = [s for s in self._window if s.start is not None]
+        if number - copies[-1].number < self.stash_every:
+            return False
+        if len(copies) < 2:
+            return True
+        start = copies[1].start
+        assert start is not None
+        return start.done() or number - self._window[0].number >= self.window_cap
+
+    def _issue(self, number: int, fn: Callable[..., Any], args: tuple, kwargs: dict, saved: StepState) -> None:
+        """Step ``number``'s ops, added to the window: with a full ``saved``, the workers' copy first (before
+        a third copy, the steps up to the second are confirmed: a worker keeps two)."""
+        start = None
+        if saved.full:
+            self._drop_confirmed(wait=True)
+            start = send_value(self._mesh, _STASH, (number, saved.packed_refs, 2), {}, None, flush=False)
+        self._window.append(StepRecord(number, fn, args, kwargs, saved, UNSET, start))
+        self._window[-1] = self._window[-1]._replace(result=fn(*args, **kwargs))
+
+    def _drop_confirmed(self, wait: bool) -> None:
+        """The window begins at its newest copy that has answered (waiting for the second copy's answer with
+        ``wait``): the steps before it are confirmed; its answer, the generators, is where a heal starts it."""
+        later = [i for i, s in enumerate(self._window) if i and s.start is not None]
+        if not later:
+            return
+        i = later[-1] if not wait else later[0]
+        start = self._window[i].start
+        assert start is not None
+        if not wait and not (start._finished() and start._exception is None):
+            return
+        self._rng = self._by_rank(start.result())
+        self._last = self._window[i - 1].result
+        del self._window[:i]
+
+    def _confirm_all(self) -> None:
+        """Every step of the window confirmed: a fetch of the generators after the newest answers once it ran on
+        every rank (an answer's completion covers every stream).  A fault raises here."""
+        if not self._window:
+            return
+        end = send_value(self._mesh, _RNG, (), {}, None)
+        self._rng = self._by_rank(end.result())
+        self._last = self._window[-1].result
+        number = self._window[-1].number
+        self._window = []
+        if self.checkpoint_dir is not None:
+            self._wait()
+            self._checkpoint(StepState(self.state, self._mesh), number + 1)
+
+    def _settle(self) -> None:
+        """``engine/settle.py``'s call: the client is about to do something else; every step confirmed first."""
+        try:
+            self._confirm_all()
+        except BaseException as e:
+            if not self._broken(e):
+                raise
+            failed_at = time.monotonic()
+            now = StepState(self.state, self._mesh, full=False)  # what the client changed since the last step
+            self._heal_and_rerun(failed_at)
+            now.restore_client()
+
+    def _abandon(self, error: BaseException) -> None:
+        """``fn`` raised (not a fault): the steps before it are confirmed, and a fault found then is not healed
+        (the failed step's own effects could not be run again as they were)."""
+        self._window = [s for s in self._window if s.number != self._issued]
+        try:
+            self._confirm_all()
+        except BaseException as e:
+            if self._broken(e):
+                raise DeviceException(f"a worker died ({self._mesh.client.failure}) in a step before the one that "
+                                      f"raised {type(error).__name__}: not healed") from error
+            raise
+
+    def _heal_and_rerun(self, failed_at: float) -> None:
+        """Heal, then run every step of the window again from its first copy's start (each later step after
+        the client's own changes before it are put back), and confirm them all; again if a fault comes."""
         while True:
-            saved = StepState(self.state, self.mesh)
-            failed_at = None
+            self._drop_confirmed(wait=False)  # a copy that answered: no need to go back further
+            first = self._window[0]
+            self._heal(first.saved, first.number, failed_at)  # raises what cannot be healed
+            old, self._window = self._window, []
             try:
-                call_remote(_stash, (self.steps, saved.refs), {}, mesh=self.mesh)
-                result = fn(*args, **kwargs)
-                rng = send_value(self.mesh, _RNG, (), {}, None)  # the step's last op: its answer is the commit
-                rng_next = self._by_rank(rng.result())
-                self._wait()  # work on other streams (the answer covers the default one)
-                self._checkpoint(StepState(self.state, self.mesh), self.steps + 1)
-                self._rng = rng_next
-                self.steps += 1
-                return result
+                for i, step in enumerate(old):
+                    if i:
+                        step.saved.restore_client()
+                    self._issue(step.number, step.fn, step.args, step.kwargs,
+                                StepState(self.state, self._mesh, full=step.saved.full))
+                    if step.result is not UNSET:
+                        rebind(step.result, self._window[-1].result)
+                        self._window[-1] = self._window[-1]._replace(result=step.result)
+                self._confirm_all()
+                return
             except BaseException as e:
                 failed_at = time.monotonic()
                 if not self._broken(e):
                     raise
-            self._heal(saved, failed_at)
+                done = {s.number for s in self._window}
+                self._window += [s for s in old if s.number not in done and s.number > max(done, default=-1)]
 
     # -- one heal ------------------------------------------------------------------------------------------
-    def _heal(self, saved: StepState, failed_at: float) -> None:
-        client = self.mesh.client
-        lost = self._lost()
+    def _heal(self, saved: StepState, tag: int, failed_at: float) -> None:
+        client = self._mesh.client
+        lost = lost_ranks(self._fleet)
         cause = str(client.failure).splitlines()[0] if client.failure is not None else "a worker died"
         if not lost:
             raise DeviceException(f"the fleet broke with no worker lost ({cause}): not a fault a heal mends")
-        if len(self.heals) + len(lost) > self.max_heals:
-            raise DeviceException(f"rank {', '.join(map(str, lost))} died ({cause}) after {len(self.heals)} heals: "
+        if len(self._heals) + len(lost) > self.max_heals:
+            raise DeviceException(f"rank {', '.join(map(str, lost))} died ({cause}) after {len(self._heals)} heals: "
                                   f"more than max_heals={self.max_heals}") from client.failure
-        dead = [rank for rank in lost if rank in self.mesh.rank_list]
+        dead = [rank for rank in lost if rank in self._mesh.rank_list]
         began = time.monotonic()
         if self.shrink and len([s for s in self._fleet.spares if s not in lost]) < len(dead):
-            keep, sizes = self._kept_when_shrinking(dead, cause)
+            keep, sizes = kept_when_shrinking(self._mesh, self.replicated, dead, cause)
             took, phases = reform(self._fleet, lost, shrink_to=keep)
             self._rng = {new: self._rng[old] for new, old in enumerate(keep)}
-            self.mesh._shape = Shape(self.mesh.names, Slice.new_row_major(sizes))  # the same mesh, smaller
-            self.mesh.__dict__.pop("rank_list", None)
+            self._mesh._shape = Shape(self._mesh.names, Slice.new_row_major(sizes))  # the same mesh, smaller
+            self._mesh.__dict__.pop("rank_list", None)
             copies: list[tuple[int, int]] = []
             missing: list[int] = []
         else:
-            found = {rank: self._replica(rank, lost) for rank in dead}
+            found = {rank: replica_of(self._mesh, self.replicated, rank, lost) for rank in dead}
             sources = {rank: source for rank, source in found.items() if source is not None}
             missing = [rank for rank in dead if rank not in sources]
             if missing and self.checkpoint_dir is None:
@@ -165,21 +302,21 @@ class FaultTolerance:
             copies = [(sources[rank], rank) for rank in took if rank in sources]
         new = self._fleet.client
         pointed = time.monotonic()
-        self._repoint(new, set(saved.refs))
+        repoint(self._fleet, new, set(saved.refs), tag)
         phases["lost values"] = time.monotonic() - pointed
         restoring = time.monotonic()
         empty = {rank: {t.ref: (t.shape, t.stride(), t.dtype, t.requires_grad) for t in saved.held}
                  for rank in missing}  # no replica: the checkpoint of the step's start fills these
-        done = send_value(self.mesh, _RESTORE, (self.steps, saved.refs, copies, self._rng, empty), {}, None)
+        done = send_value(self._mesh, _RESTORE, (tag, saved.refs, copies, self._rng, empty), {}, None)
         phases["copy"] = max(v["copy_s"] for _, v in done.result())
         if empty:  # no replica had these ranks' state: the step's start, from the checkpoint
-            self._load_checkpoint(saved, cause)
+            self._load_checkpoint(saved, tag, cause)
         saved.restore()
         self._wait()
         phases["restore"] = time.monotonic() - restoring
         phases["detect to heal"] = began - failed_at
         for rank, what in took.items():
-            self.heals.append(HealRecord(rank, cause, what, time.monotonic() - failed_at, self.steps, dict(phases),
+            self._heals.append(HealRecord(rank, cause, what, time.monotonic() - failed_at, tag, dict(phases),
                                          failed_at))
 
     def _checkpoint(self, saved: StepState, step: int = 0) -> None:
@@ -193,67 +330,19 @@ class FaultTolerance:
             if old.startswith("step-"):
                 shutil.rmtree(os.path.join(self.checkpoint_dir, old), ignore_errors=True)
 
-    def _load_checkpoint(self, saved: StepState, cause: str) -> None:
+    def _load_checkpoint(self, saved: StepState, tag: int, cause: str) -> None:
         assert self.checkpoint_dir is not None
-        path = os.path.join(self.checkpoint_dir, f"step-{self.steps:08d}")
+        path = os.path.join(self.checkpoint_dir, f"step-{tag:08d}")
         if not checkpoint.is_complete(path):
             raise DeviceException(f"a rank with no live replica died ({cause}) and the checkpoint of step "
-                                  f"{self.steps}'s start ({path}) is not complete")
+                                  f"{tag}'s start ({path}) is not complete")
         checkpoint.load({f"r{ref}": t for ref, t in zip(saved.refs, saved.held)}, checkpoint_id=path)
-
-    def _kept_when_shrinking(self, dead: list[int], cause: str) -> tuple[list[int], list[int]]:
-        """The ranks of the smaller mesh and its sizes: every rank but those at the dead ranks' places along the
-        replicated dim (on a mesh of more dims, the dead rank's whole replica drops out; its live ranks become
-        spares)."""
-        if len(self.replicated) != 1:
-            raise DeviceException(f"rank {dead[0]} died ({cause}) and no spare is left: shrinking needs one "
-                                  f"replicated dim, not {self.replicated}")
-        dim = self.replicated[0]
-        gone = {self.mesh.shape.coordinates(r)[dim] for r in dead}
-        keep = [r for r in self.mesh.rank_list if self.mesh.shape.coordinates(r)[dim] not in gone]
-        if not keep:
-            raise DeviceException(f"rank {dead[0]} died ({cause}): no rank of the mesh is left to shrink to")
-        sizes = [self.mesh.sizes[d] - (len(gone) if d == dim else 0) for d in self.mesh.names]
-        return keep, sizes
-
-    def _lost(self) -> list[int]:
-        """The ranks that died: those the client lost, and those whose process the launcher saw die."""
-        client = self.mesh.client
-        lost = set(client.observations.lost_ranks) & set(client.ranks)
-        processes = self._fleet.processes
-        if processes is not None and getattr(processes, "tolerant", False):
-            result = processes.wait(timeout=0)
-            if result is not None:
-                of = {p: r for r, p in self._fleet.process_of.items()}
-                lost.update(of[p] for p in result.failures if p in of)
-        return sorted(lost)
-
-    def _replica(self, rank: int, lost: list[int]) -> int | None:
-        """A live rank holding ``rank``'s state: along the replicated dims, the first not lost."""
-        shape = self.mesh.shape
-        coords = shape.coordinates(rank)
-        fixed = {d: c for d, c in coords.items() if d not in self.replicated}
-        for candidate in shape.index(**fixed).ranks():
-            if candidate not in lost:
-                return candidate
-        return None
-
-    def _repoint(self, client, kept: set[int]) -> None:
-        """The fleet's meshes now talk to the new client; tensors of the old session outside the state are lost."""
-        fleet = self._fleet
-        text = (f"was lost when tdmesh healed the fleet (step {self.steps}): only FaultTolerance's state "
-                f"survives a heal; compute it again")
-        for obj in gc.get_objects():
-            if type(obj) is DeviceMesh and obj.fleet is fleet:
-                obj.client = client
-            elif type(obj) is RefOwner and obj.id not in kept and getattr(obj.mesh, "fleet", None) is fleet:
-                obj.dropped_at = text  # type: ignore[assignment]
 
     # -- helpers -----------------------------------------------------------------------------------------
     def _broken(self, error: BaseException) -> bool:
         """Whether ``error`` came from a worker's death (then the client's failure is set, or about to be:
         a survivor's collective may report its dead peer before the client sees the connection close)."""
-        client = self.mesh.client
+        client = self._mesh.client
         if client.failure is None and isinstance(error, RemoteException):
             try:
                 self._wait()
@@ -264,29 +353,17 @@ class FaultTolerance:
     def _wait(self) -> None:
         """Until every op sent so far ran, or the fleet broke (then raise its failure)."""
         self._fleet.drain(timeout=None)
-        failure = self.mesh.client.failure
+        failure = self._mesh.client.failure
         if failure is not None:
             raise failure
 
     def _check_replicas(self, saved: StepState) -> None:
-        """The state must be the same along the replicated dims (a heal copies a replica's to the new rank):
-        each tensor's digest on every rank, compared; one that differs is refused, named."""
-        digests = self._by_rank(send_value(self.mesh, _FINGERPRINTS, (saved.refs,), {}, None).result())
-        for rank in self.mesh.rank_list:
-            replica = self._replica(rank, [rank])
-            if replica is None:
-                continue
-            for i, (mine, theirs) in enumerate(zip(digests[rank], digests[replica], strict=True)):
-                if mine != theirs:
-                    dims = ", ".join(self.replicated)
-                    raise UsageError(f"FaultTolerance(replicated={dims!r}): {saved.paths[i]} differs between ranks "
-                                     f"{min(rank, replica)} and {max(rank, replica)}; a heal would give a new rank "
-                                     f"another rank's value.  Keep per-rank values out of the state (make them in "
-                                     f"the step), or name only the dims the state is the same along")
+        digests = self._by_rank(send_value(self._mesh, _FINGERPRINTS, (saved.refs,), {}, None).result())
+        check_replicas(self._mesh, self.replicated, saved.paths, digests)
 
     def _generators(self) -> dict[int, bytes]:
-        fut = send_value(self.mesh, _RNG, (), {}, None)
+        fut = send_value(self._mesh, _RNG, (), {}, None)
         return self._by_rank(fut.result())
 
     def _by_rank(self, values) -> dict[int, bytes]:
-        return dict(zip(self.mesh.shape.ranks(), (v for _, v in values)))
+        return dict(zip(self._mesh.shape.ranks(), (v for _, v in values)))

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 from .engine.fetch import prepare_call, send_value, shard_rank
 from .engine.future import Future
 from .engine.issue import issue
+from .engine.settle import pending, settle
 from .engine.stream import get_active_stream
 from .engine.tensor import AliasSet, RefOwner, Tensor
 from .engine.wire import sealed_args
@@ -110,6 +111,8 @@ class ObjectMethod:
 
 def spawn(mesh, cls, *args, **kwargs) -> ObjectHandle:
     """``mesh.spawn(cls, *args, **kwargs)``: construct ``cls(*args, **kwargs)`` on every rank."""
+    if pending:  # a fault-tolerant step not yet confirmed: settled first (engine/settle.py)
+        settle()
     client = mesh.client
     if client.sink is not client:
         raise UsageError(f"mesh.spawn inside tdmesh.compile: objects are made once, spawn them before the "

@@ -23,6 +23,7 @@ from .engine.future import Future
 from .engine.issue import New, issue
 from .engine.placement import check_mutation
 from .engine.propagation import TensorMeta, meta_tensor, tensor_meta
+from .engine.settle import pending, settle
 from .engine.stream import get_active_stream
 from .engine.tensor import AliasSet, RefOwner, Tensor
 from .engine.wire import op_path, sealed_args
@@ -146,6 +147,8 @@ def call_on_shard_and_fetch(remote_fn: Remote, *args, shard: dict | None = None,
 def call_remote(fn: Remote, args: tuple, kwargs: dict, mesh=None):
     """``fn(*args, **kwargs)`` on ``mesh`` (default: where its arguments live) as one CallFunction."""
     target = fn._target  # first: a name that leads nowhere is refused before anything is issued
+    if pending:  # a fault-tolerant step not yet confirmed: settled first (engine/settle.py)
+        settle()
     flat, _ = tree_flatten((args, kwargs))
     mesh = mesh if mesh is not None else mesh_of(flat)
     stream = get_active_stream()

@@ -19,6 +19,7 @@ from .context import active_mesh_or_none
 from .future import Future
 from .issue import issue
 from .placement import check_inputs
+from .settle import pending, settle
 from .stream import get_active_stream
 from .tensor import Tensor, describe, raise_in_op
 from .wire import sealed_args
@@ -95,11 +96,14 @@ def shard_rank(mesh, shard: dict | None, coords: dict) -> int:
     return mesh.shape.index(**shard).slice.offset
 
 
-def send_value(mesh, function, args, kwargs, rank: int | None, uses: tuple = ()) -> Future:
+def send_value(mesh, function, args, kwargs, rank: int | None, uses: tuple = (), flush: bool = True) -> Future:
     """A SendValue to one rank (``rank=None``: every rank of ``mesh``, gathered into a
     ValueMesh), on the stream of the tensors it reads (else the active one); ``uses`` are
-    refs it reads that no proxy holds yet."""
+    refs it reads that no proxy holds yet.  ``flush=False``: sent with the ops that follow (by
+    the flusher), for a value not waited on at once."""
     check_not_coalescing("fetching results")
+    if pending:  # a fault-tolerant step not yet confirmed: settled first (settle.py)
+        settle()
     client = mesh.client
     flat, _ = tree_flatten((args, kwargs))
     tensors = [x for x in flat if type(x) is Tensor]
@@ -114,7 +118,8 @@ def send_value(mesh, function, args, kwargs, rank: int | None, uses: tuple = ())
               inputs=tensors, stream=stream, ranks=None if rank is None else (rank,), future=fut, deletes_first=True,
               uses=tuple(uses) + objects)
         client.request_status(client.last_seq)  # the SendValue's: completion resolves the future
-        client.flush()
+        if flush:
+            client.flush()
     return fut
 
 

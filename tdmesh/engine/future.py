@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_map
 from ..errors import DeviceException
 from ..protocol import messages as m
 from ..protocol.codec import unpack_tensor, unpickle_value
+from .settle import pending, settle
 
 _PENDING = object()
 # Waiting on futures of several fleets: each client's replies arrive on its own queue, so the
@@ -62,6 +63,8 @@ class Future:
         return self._finished()
 
     def _wait(self, timeout: float | None) -> None:
+        if pending and (not self._finished() or self._exception is not None):
+            settle()  # a fault-tolerant step not yet confirmed: healed first if a worker died in it (settle.py)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._finished():
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -90,6 +93,17 @@ class Future:
         if self._exception is not None:
             self._observed()
         return self._exception
+
+    def _follow(self, other: Future) -> None:
+        """Take ``other``'s outcome when it comes (a heal ran the step that made this future again)."""
+        self._client, self._value, self._exception, self.gather = other._client, _PENDING, None, other.gather
+
+        def take(done: Future) -> None:
+            if done._exception is not None:
+                self._set_exception(done._exception)
+            else:
+                self._set_result(done._value)
+        other.add_callback(take)
 
     def _observed(self) -> None:
         """The user has seen this future's error: a fleet failure is not raised again at exit."""

@@ -21,6 +21,7 @@ from ..errors import call_site
 from ..protocol.messages import CallOp, CallRecording
 from .propagation import SparseMeta, TensorMeta
 from .saved import thread_hooks, workers_record
+from .settle import pending, settle
 from .stream import Stream, get_active_stream
 from .tensor import AliasSet, Tensor, new_proxy, view_proxy
 
@@ -52,6 +53,8 @@ def issue(mesh, build: Callable, *, inputs: Sequence[Tensor] = (), outputs: Sequ
     no seq (parts of one op sent to other ranks).  ``uses`` and ``defs`` add refs that are
     not inputs or outputs (a recording's captures).
     """
+    if pending:  # a fault-tolerant step not yet confirmed: settled before anything else (settle.py)
+        settle(inputs)
     client = mesh.client
     stream = stream if stream is not None else get_active_stream()
     with client.lock:
@@ -98,6 +101,8 @@ def issue_op(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> li
     """Issue an aten op by its plan (:mod:`tdmesh.engine.plan`): ``remote`` fill its slots.  The
     same work as :func:`issue` without building a message from a template each time: this
     is the eager hot path (one call per dispatched op)."""
+    if pending:  # a fault-tolerant step not yet confirmed: settled before anything else (settle.py)
+        settle(remote)
     client = mesh.client
     with client.lock:
         grad = workers_record(client)
@@ -136,6 +141,8 @@ def issue_op(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> li
 def issue_lean(mesh, plan, remote: Sequence[Tensor], device, stream: Stream) -> Tensor:
     """:func:`issue_op` for the commonest op (``plan.lean``: one new tensor, nothing written) issued to
     the client itself, its inputs plainly placed (``placement.plainly_placed``): the eager hot path."""
+    if pending:  # a fault-tolerant step not yet confirmed: settled before anything else (settle.py)
+        settle(remote)
     client = mesh.client
     if client.sink is not client:  # a compiled function's recorder keeps what it is given
         return issue_op(mesh, plan, remote, device, stream)[0]
@@ -165,6 +172,8 @@ def issue_call(mesh, recording: int, inputs: Sequence[Tensor], outputs: Sequence
     device, mesh); ``captures`` the refs it reads besides its inputs, ``defs`` those it writes,
     ``kept`` the refs of its state, which every call defines again (after its new results).
     :func:`issue`'s work for this one shape of op, the hot path of replays."""
+    if pending:  # a fault-tolerant step not yet confirmed: settled before anything else (settle.py)
+        settle(inputs)
     client = mesh.client
     with client.lock:
         made = []
@@ -188,6 +197,8 @@ def issue_unshaped(mesh, build: Callable, slots: Sequence[bool], *, inputs: Sequ
     """Issue an op whose output metadata only the workers know: a result ref is defined now
     for each output whose slot is True (None for outputs that are a written argument);
     :func:`adopt` makes their proxies once the metadata is known."""
+    if pending:  # a fault-tolerant step not yet confirmed: settled before anything else (settle.py)
+        settle(inputs)
     client = mesh.client
     stream = stream if stream is not None else get_active_stream()
     with client.lock:

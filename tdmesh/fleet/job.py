@@ -19,6 +19,7 @@ from typing import Any
 
 from ..config import env_float
 from ..engine.client import Client
+from ..engine.settle import forget, pending, settle
 from ..errors import DeviceException
 from ..protocol import messages as m
 from ..protocol.handshake import check_hello, hear, welcome
@@ -265,6 +266,13 @@ class Fleet:
         error, whose traceback is the one to read, so torch elastic's lines about stopping
         them ("Sending process N closing signal SIGTERM", "failed (exitcode: 1)") are not
         printed."""
+        if error is None and pending and pending[0][2] is self and not self.exited:  # a step not yet confirmed
+            try:
+                settle()
+            except BaseException as e:
+                self.exit(f"{type(e).__name__}: {e}", client_raised=True)  # the error is the user's to read
+                raise
+        forget(self)
         if self.exited:
             return
         self.quiet = client_raised

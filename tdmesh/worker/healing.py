@@ -21,6 +21,7 @@ import pickle
 import socket
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +38,9 @@ log = logging.getLogger("tdmesh.worker")
 _protected: set[int] = set()  # ports of the connections a heal must not cut (the client's, a relay's)
 _protected_sockets: set[int] = set()  # and sockets (inodes): the client connection, the heal watch's store
 pending: m.Heal | None = None  # a Heal the watch found in the store (the message thread may be blocked)
-_stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # ref -> (the live tensor, its copy at the step's start)
-_tag = -1  # the step whose start the stash holds
+# step -> {ref -> (the live tensor, its copy at that step's start)}: the two newest steps, since the client
+# confirms a step while the next one runs (a heal may go back to either)
+_stashes: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 _kept: dict[int, torch.Tensor] = {}  # the broken session's tensors, by ref, until restore
 
 
@@ -133,21 +135,37 @@ def take_pending() -> m.Heal | None:
     return found
 
 
-def stash(tag: int, refs: list[int]) -> None:
-    """The first op of a fault-tolerant step: copy the state's tensors (into last step's copies where their
-    layout is unchanged), so that a heal puts back exactly what the step began with."""
-    global _stash, _tag
+def stash(tag: int, packed: bytes, generations: int) -> bytes:
+    """The first op of a fault-tolerant step: copy the state's tensors (into the copies of the step before
+    last where their layout is unchanged), so that a heal puts back exactly what the step began with.  The
+    copies of the step before stay: the client may not have confirmed it yet.  ``packed``: the refs, as int64s.
+    Returns the generators' states as the step begins (``rng_bundle``): the answer confirms the step before."""
+    refs = array("q", packed)
     env = _env()
-    kept = {}
+    reuse: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for number in [n for n in _stashes if n >= tag]:  # this step again (restore empties them: a guard)
+        reuse = _stashes.pop(number)
+    if len(_stashes) >= generations:  # the oldest step kept: confirmed, its copies are reused
+        reuse = _stashes.pop(min(_stashes))
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    lives: list[torch.Tensor] = []
+    copies: list[torch.Tensor] = []
     with torch.no_grad():
         for ref in refs:
-            t = env.get(ref)
-            if not isinstance(t, torch.Tensor):
+            live = env.get(ref)
+            if not isinstance(live, torch.Tensor):
                 continue  # a Poison: the state is broken already, and its error is the user's
-            old = _stash.get(ref)
-            copy = old[1] if old is not None and _same_layout(old[1], t) else None
-            kept[ref] = (t, copy.copy_(t) if copy is not None else t.detach().clone())
-    _stash, _tag = kept, tag
+            old = reuse.get(ref)
+            if old is not None and _same_layout(old[1], live):
+                kept[ref] = (live, old[1])
+                lives.append(live)
+                copies.append(old[1])
+            else:
+                kept[ref] = (live, live.detach().clone())
+        if copies:
+            torch._foreach_copy_(copies, lives)  # one call for every tensor (their count costs more than bytes)
+    _stashes[tag] = kept
+    return rng_bundle()
 
 
 def fingerprints(refs: list[int]) -> list[str]:
@@ -183,7 +201,7 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def rng_bundle() -> bytes:
     """This worker's generators' states (torch's default CPU and CUDA ones, and its copies of the client's
-    generators), fetched by the client as each step ends: the state the next step starts from."""
+    generators), fetched by the client as each step begins (or ends): where a heal starts that step again."""
     state: dict = {"cpu": torch.get_rng_state()}
     device = _device()
     if device.type == "cuda":
@@ -279,15 +297,15 @@ def restore(tag: int, refs: list[int], copies: list[tuple[int, int]], bundles: d
     ``copies``: (source rank, new rank) pairs, over the new world group: the source sends its state, the
     new rank (a spare in a dead rank's place) receives it.  ``bundles``: every rank's generator states.
     ``empty``: {new rank with no replica: {ref: its layout}}: tensors made for the checkpoint's load."""
-    global _stash, _kept
+    global _kept
     env = _env()
     me = dist.get_rank()
     state: dict[int, torch.Tensor] = {}
     start: dict[int, torch.Tensor] = {}  # the values of the step's start: the stash's copies, sent as they are
     with torch.no_grad():
         for ref in refs:
-            if _tag == tag and ref in _stash:
-                state[ref], start[ref] = _stash[ref]
+            if ref in _stashes.get(tag, ()):
+                state[ref], start[ref] = _stashes[tag][ref]
             elif ref in _kept:
                 state[ref] = start[ref] = _kept[ref]  # the stash never ran here: nothing of the step did either
         began = time.perf_counter()
@@ -310,7 +328,8 @@ def restore(tag: int, refs: list[int], copies: list[tuple[int, int]], bundles: d
         raise RuntimeError(f"rank {me} has no copy of the state's refs {missing[:8]} to restore")
     env.update(state)
     _set_rng(bundles[me])
-    _stash, _kept = {}, {}
+    _stashes.clear()
+    _kept = {}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     return {"copy_s": copied if copies else 0.0, "bytes": nbytes}
 

@@ -34,9 +34,11 @@ def die_if(rank: int, how: str) -> None:
         ctypes.string_at(0)  # a segfault
 
 
-def run(faults=(), spares: int = 3, checkpoint_dir: str | None = None, steps: int = STEPS):
+def run(faults=(), spares: int = 3, checkpoint_dir: str | None = None, steps: int = STEPS, read_every: int = 1):
     """The job's losses (from rank 0), each rank's final weights and AdamW moments, the heals, and the pids
-    of every worker process the fleet had."""
+    of every worker process the fleet had.  The loss is read after every ``read_every``-th step (None for
+    the others; 0: none), so a fault is found as the next step ends, at a read, or as the job ends (ft.step's
+    lagged commit); an LR scheduler steps between the steps, on the client alone."""
     plan = {f[0]: f[1:] for f in faults}
     pids: set[int] = set()
     with tdmesh.local_mesh(hosts=1, gpus_per_host=2, spares=spares, pool=False) as mesh, mesh.activate():
@@ -44,12 +46,17 @@ def run(faults=(), spares: int = 3, checkpoint_dir: str | None = None, steps: in
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.25), torch.nn.GELU(),
                                     torch.nn.Linear(16, 4))
         opts = [torch.optim.AdamW(model[0].parameters(), lr=0.05), torch.optim.AdamW(model[3].parameters(), lr=0.05)]
-        ft = tdmesh.FaultTolerance(mesh, {"model": model, "opts": opts}, replicated="gpu", max_heals=len(faults))
+        sched = torch.optim.lr_scheduler.StepLR(opts[0], step_size=2, gamma=0.5)
+        ft = tdmesh.FaultTolerance(mesh, {"model": model, "opts": opts, "sched": sched}, replicated="gpu",
+                                   max_heals=len(faults))
         pids.update(h.pid for h in mesh.client.hellos.values())
+
+        fired: set[int] = set()  # a fault strikes on its step's first run, not when a heal runs it again
 
         def point(i: int, name: str) -> None:
             fault = plan.get(i)
-            if fault is not None and fault[0] == name and not any(h.step == i for h in ft.heals):
+            if fault is not None and fault[0] == name and i not in fired:
+                fired.add(i)
                 die_if(fault[1], fault[2])
 
         def train_step(i: int):
@@ -81,8 +88,10 @@ def run(faults=(), spares: int = 3, checkpoint_dir: str | None = None, steps: in
         losses = []
         for i in range(steps):
             loss = ft.step(train_step, i)
+            sched.step()
             pids.update(h.pid for h in mesh.client.hellos.values())
-            losses.append(tdmesh.fetch_shard(loss, host=0, gpu=0).result().item())
+            read = read_every and i % read_every == 0  # a value of a step read later is lost in a heal
+            losses.append(tdmesh.fetch_shard(loss, host=0, gpu=0).result().item() if read else None)
         weights = [tdmesh.fetch_shard(list(model.parameters()), host=0, gpu=g).result() for g in (0, 1)]
         moments = [tdmesh.fetch_shard([s["exp_avg_sq"] for opt in opts for s in opt.state.values()], host=0,
                                       gpu=g).result() for g in (0, 1)]

@@ -42,8 +42,10 @@ def _same(a, b) -> bool:
 
 def _check(result, reference, faults) -> None:
     losses, weights, moments, heals, pids = result
-    assert [(h.rank, h.step) for h in heals] == [(f[2], f[0]) for f in sorted(faults)]
-    assert losses == reference[0]
+    # a heal runs again from the window's first copy of the state: the fault's step or one before it
+    assert [h.rank for h in heals] == [f[2] for f in sorted(faults)]
+    assert all(h.step <= f[0] for h, f in zip(heals, sorted(faults), strict=True))
+    assert [x for x in losses if x is not None] == [r for x, r in zip(losses, reference[0]) if x is not None]
     assert all(_same(w, r) for w, r in zip(weights, reference[1], strict=True))
     assert all(_same(m, r) for m, r in zip(moments, reference[2], strict=True))
     left = [pid for pid in pids if not gone(pid)]
@@ -57,10 +59,10 @@ faults = st.lists(st.tuples(st.integers(0, STEPS - 1), st.sampled_from(POINTS), 
 @pytest.mark.time_limit(max(600, 20 * EXAMPLES))  # ~8 s an example here, twice that on a busy machine
 @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
           phases=(Phase.explicit, Phase.generate))  # no shrinking: each example is a fleet's run
-@given(faults=faults)
-def test_a_healed_job_ends_bit_for_bit_as_the_job_without_faults(faults):
+@given(faults=faults, read_every=st.sampled_from((1, 2, 3, 0)))
+def test_a_healed_job_ends_bit_for_bit_as_the_job_without_faults(faults, read_every):
     directory = _tmp("drawn")
-    _check(run(faults, spares=3, checkpoint_dir=directory), _reference(True), faults)
+    _check(run(faults, spares=3, checkpoint_dir=directory, read_every=read_every), _reference(True), faults)
 
 
 def test_with_no_spare_left_a_new_process_takes_the_dead_ones_place():
