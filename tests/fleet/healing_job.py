@@ -34,11 +34,13 @@ def die_if(rank: int, how: str) -> None:
         ctypes.string_at(0)  # a segfault
 
 
-def run(faults=(), spares: int = 3, checkpoint_dir: str | None = None, steps: int = STEPS, read_every: int = 1):
+def run(faults=(), spares: int = 3, checkpoint_dir: str | None = None, steps: int = STEPS, read_every: int = 1,
+        stash_every: int = 4):
     """The job's losses (from rank 0), each rank's final weights and AdamW moments, the heals, and the pids
     of every worker process the fleet had.  The loss is read after every ``read_every``-th step (None for
     the others; 0: none), so a fault is found as the next step ends, at a read, or as the job ends (ft.step's
-    lagged commit); an LR scheduler steps between the steps, on the client alone."""
+    lagged commit); an LR scheduler steps between the steps, on the client alone.  ``stash_every``: how often
+    the workers copy the state (a heal goes back to the newest confirmed copy)."""
     plan = {f[0]: f[1:] for f in faults}
     pids: set[int] = set()
     with tdmesh.local_mesh(hosts=1, gpus_per_host=2, spares=spares, pool=False) as mesh, mesh.activate():
@@ -49,13 +51,17 @@ def run(faults=(), spares: int = 3, checkpoint_dir: str | None = None, steps: in
         sched = torch.optim.lr_scheduler.StepLR(opts[0], step_size=2, gamma=0.5)
         ft = tdmesh.FaultTolerance(mesh, {"model": model, "opts": opts, "sched": sched}, replicated="gpu",
                                    max_heals=len(faults))
+        ft.stash_every = stash_every
         pids.update(h.pid for h in mesh.client.hellos.values())
 
-        fired: set[int] = set()  # a fault strikes on its step's first run, not when a heal runs it again
+        # a fault strikes once, on its step's first run in a whole fleet: with ft.step's lag a later step is
+        # issued before an earlier fault is found, and a second death then would be a simultaneous one
+        fired: set[int] = set()
 
         def point(i: int, name: str) -> None:
             fault = plan.get(i)
-            if fault is not None and fault[0] == name and i not in fired:
+            healthy = len(ft._heals) >= len([s for s in plan if s < i])
+            if fault is not None and fault[0] == name and i not in fired and healthy:
                 fired.add(i)
                 die_if(fault[1], fault[2])
 

@@ -3,9 +3,11 @@
 The differential test draws the faults with hypothesis — the step, the point of the step (before the
 forward, in it, after the backward, between two gradient collectives, between two optimizers' updates, while
 an async checkpoint is written, at the step's end), the rank, and how it dies (SIGKILL, ``os._exit``, a
-segfault) — and compares the healed job with the same job run without faults: every loss, both ranks'
-weights and AdamW moments must be equal, with no process left behind.  ``TDMESH_HEAL_EXAMPLES`` sets the
-examples (3 faults each); the local soak runs it with 70 (210 faults).
+segfault) — and how the job reads its loss (every step, every other or third step, never: ``ft.step``'s
+lagged commit finds a fault as a later step issues a copy, at a read, or as the job ends) and how often the
+workers copy the state, and compares the healed job with the same job run without faults: every loss read,
+both ranks' weights and AdamW moments must be equal, with no process left behind.  ``TDMESH_HEAL_EXAMPLES``
+sets the examples (3 faults each); the local soak runs it with 70 (210 faults).
 """
 
 from __future__ import annotations
@@ -59,10 +61,11 @@ faults = st.lists(st.tuples(st.integers(0, STEPS - 1), st.sampled_from(POINTS), 
 @pytest.mark.time_limit(max(600, 20 * EXAMPLES))  # ~8 s an example here, twice that on a busy machine
 @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
           phases=(Phase.explicit, Phase.generate))  # no shrinking: each example is a fleet's run
-@given(faults=faults, read_every=st.sampled_from((1, 2, 3, 0)))
-def test_a_healed_job_ends_bit_for_bit_as_the_job_without_faults(faults, read_every):
+@given(faults=faults, read_every=st.sampled_from((1, 2, 3, 0)), stash_every=st.sampled_from((1, 2, 4)))
+def test_a_healed_job_ends_bit_for_bit_as_the_job_without_faults(faults, read_every, stash_every):
     directory = _tmp("drawn")
-    _check(run(faults, spares=3, checkpoint_dir=directory, read_every=read_every), _reference(True), faults)
+    _check(run(faults, spares=3, checkpoint_dir=directory, read_every=read_every, stash_every=stash_every),
+           _reference(True), faults)
 
 
 def test_with_no_spare_left_a_new_process_takes_the_dead_ones_place():
@@ -112,6 +115,28 @@ def test_values_outside_the_state_are_lost_in_a_heal_and_say_so():
         assert len(ft.heals) == 1 and ft.heals[0].rank == 0 and "SIGKILL" in ft.heals[0].cause
         with sub.activate():
             assert tdmesh.fetch_shard(torch.arange(3.0) * 2).result().tolist() == [0.0, 2.0, 4.0]
+
+
+def test_a_fault_in_the_last_step_heals_as_the_fleet_exits():
+    """Nothing reads the last step's values: the fleet's exit confirms it first, heals, and exits cleanly."""
+    from healing_job import die_if
+    pids = set()
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=2, spares=1, pool=False) as mesh, mesh.activate():
+        w = torch.ones(3)
+        ft = tdmesh.FaultTolerance(mesh, [w], replicated="gpu")
+        pids.update(h.pid for h in mesh.client.hellos.values())
+
+        def step(i: int):
+            w.add_(i)
+            if i == 2 and i not in fired:
+                fired.add(i)
+                die_if(1, "sigkill")
+        fired: set[int] = set()
+        for i in range(3):
+            ft.step(step, i)
+        pids.update(h.pid for h in mesh.client.hellos.values())
+    assert [h.rank for h in ft.heals] == [1]
+    assert all(gone(pid) for pid in pids)
 
 
 def test_what_fault_tolerance_cannot_keep_is_refused_at_the_users_line():
