@@ -39,8 +39,8 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--size", choices=("tiny", "small"), default="tiny")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--blocks", type=int, default=5, help="blocks of plain and ft.step steps, in turn")
-    p.add_argument("--steps", type=int, default=10, help="steps per block")
+    p.add_argument("--blocks", type=int, default=15, help="blocks of plain and ft.step steps, in turn")
+    p.add_argument("--steps", type=int, default=20, help="steps per block")
     p.add_argument("--heals", type=int, default=3, help="faults healed (each with a spare)")
     p.add_argument("--state-mb", type=int, default=0, help="MB of replicated state added (restore throughput)")
     p.add_argument("--no-restart", action="store_true", help="skip the restart-and-resume baseline")
@@ -96,10 +96,14 @@ def _in_process(args) -> dict:
             return (time.perf_counter() - began) / args.steps
 
         plain, healing = [], []
-        for b in range(args.blocks):
-            plain.append(block(100 + 2 * b * args.steps, False))
-            healing.append(block(100 + (2 * b + 1) * args.steps, True))
+        for b in range(args.blocks):  # in turn, which goes first alternating: a drift favours neither
+            pair = [(False, 2 * b), (True, 2 * b + 1)][::1 if b % 2 == 0 else -1]
+            for is_ft, k in pair:
+                (healing if is_ft else plain).append(block(100 + k * args.steps, is_ft))
         out["plain_s"], out["ft_s"] = statistics.median(plain), statistics.median(healing)
+        ratios = sorted(f / p for f, p in zip(healing, plain))
+        out["ratio"] = statistics.median(ratios)
+        out["ratio_iqr"] = (ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4])
 
         heals: list[dict] = []
         for h in range(args.heals):  # a worker SIGKILLed in the middle of a step, from here
@@ -200,7 +204,8 @@ def _report(args, r: dict) -> None:
     print(f"\nhealing, {args.size} GPT, {args.workers} {args.device} worker(s) + spares, batch {args.batch_size}"
           + (f", +{args.state_mb} MB state" if args.state_mb else ""))
     print(f"  step, plain            {r['plain_s'] * 1e3:8.2f} ms (median of {args.blocks} blocks of {args.steps})")
-    print(f"  step, ft.step          {r['ft_s'] * 1e3:8.2f} ms   {r['ft_s'] / r['plain_s']:.3f}x the plain step")
+    print(f"  step, ft.step          {r['ft_s'] * 1e3:8.2f} ms   {r['ft_s'] / r['plain_s']:.3f}x the plain step; "
+          f"block by block {r['ratio']:.3f}x (quartiles {r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f})")
     if not r["heals"]:
         return
     keys = ("detect", "release", "re-form", "lost values", "copy", "restore", "rerun", "total")

@@ -180,7 +180,8 @@ class FaultTolerance:
             return True
         start = copies[1].start
         assert start is not None
-        return start.done() or number - self._window[0].number >= self.window_cap
+        # answered already (applied with the replies the client reads as it issues: no wait, no flush here)
+        return (start._finished() and start._exception is None) or number - self._window[0].number >= self.window_cap
 
     def _issue(self, number: int, fn: Callable[..., Any], args: tuple, kwargs: dict, saved: StepState) -> None:
         """Step ``number``'s ops, added to the window: with a full ``saved``, the workers' copy first (before
