@@ -30,6 +30,7 @@ NOT_BENCHES = {
     "sim_host": "a simulated host, started by bench.scale (whose smoke run prints its table (b))",
     "ddp_train": "the DDP baseline, run under torchrun by bench.train_step (whose smoke run prints its row)",
     "heal_restart_job": "bench.heal's restart-and-resume baseline, run under torchrun by bench.heal",
+    "limits": "the GPU's limit (model FLOPs, the matmul peak, busy time), printed by bench.train_step on CUDA",
 }
 
 

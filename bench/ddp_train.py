@@ -77,6 +77,8 @@ def main() -> None:
             path = os.path.join(tempfile.mkdtemp(), "ddp.trace.json")
             prof.export_chrome_trace(path)
             print(f"DDP_KERNELS_PER_STEP {count_kernels(path)}", flush=True)
+            from bench.limits import gpu_busy_s
+            print(f"DDP_BUSY_S {gpu_busy_s(path)}", flush=True)
     if rank == 0:
         print(f"DDP_STEP_SECONDS {statistics.median(times):.6f} LOSS {final_loss:.4f}", flush=True)
         print(f"DDP_MEAN_STEP_SECONDS {statistics.fmean(times):.6f}", flush=True)

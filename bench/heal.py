@@ -213,7 +213,7 @@ def _report(args, r: dict) -> None:
     for h in r["heals"]:
         print("            " + " ".join(f"{h[k]:11.3f}" for k in keys))
     total = statistics.median(h["total"] for h in r["heals"])
-    print(f"  heal: kill -> step running again, median {total:.3f} s")
+    print(f"  heal: kill -> step running again (and done, with the steps run again before it), median {total:.3f} s")
     if "restart" in r:
         rs = r["restart"]
         print(f"  restart-and-resume: kill -> step running again {rs['kill_to_step']:.3f} s "

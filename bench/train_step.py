@@ -35,6 +35,7 @@ import time
 from bench import helpers as h
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MODES = "tdmesh.worker.builtins.recording_modes"
 SETUP_STEPS = 3  # untimed first steps (allocation; for a compiled step: eager, eager, trace)
 sys.path.insert(0, os.path.join(ROOT, "tutorials"))
 
@@ -112,6 +113,7 @@ def main(argv=None) -> None:
     import torch
 
     import tdmesh
+    from bench import limits
     from bench.helpers import (
         OpCounter,
         count_kernels,
@@ -124,6 +126,11 @@ def main(argv=None) -> None:
     from nanogpt import GPT, sized
     train = __import__("runpy").run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
     cfg, tokens = sized(args.size)
+    peak = flops = None
+    if args.device == "cuda":  # the GPU's limit: before the fleet starts, the GPU is this process's alone
+        peak = limits.matmul_peak(args.dtype)
+        with torch.device("meta"):
+            flops = limits.model_flops_per_step(GPT(cfg), cfg, args.batch_size * cfg.block_size)
     batch = tdmesh.remote(train["seeded_batch"], propagate=lambda d, b, t, r, s: (
         torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
     with tdmesh.local_mesh(hosts=1, gpus_per_host=args.workers) as mesh, mesh.activate():
@@ -192,11 +199,13 @@ def main(argv=None) -> None:
             step(x, y)
         messages = mesh.client.last_seq - first
         kernels = None
+        busy: dict = {}  # label -> the GPU's busy seconds a step (rank 0, from a profiled step)
         if mesh.device_type == "cuda":  # one eager step under torch.profiler on every worker
             import tempfile
             with tdmesh.profile(tempfile.mkdtemp()) as traces:
                 step(x, y)
             kernels = count_kernels(os.path.join(traces, "rank0.trace.json"))
+            busy["tdmesh eager"] = limits.gpu_busy_s(os.path.join(traces, "rank0.trace.json"))
         overlapped: dict = {}
         if args.overlap:  # rounds of --steps steps, the three variants in turn (this VM's noise is
             # larger than the difference): each its own fresh model, trained the same steps
@@ -220,6 +229,7 @@ def main(argv=None) -> None:
         if args.inductor:
             variants += [("tdmesh inductor", "inductor", False)] + ([(graph_label, "inductor", graph)] if cuda else [])
         compiled: list = []
+        modes: dict = {}
         for label, backend, graph in variants:
             # compiled from step 0, as a torch.compile user writes it: the first call makes the
             # gradients and the optimizer's state (eager ops), the gradients settle at the third
@@ -232,6 +242,12 @@ def main(argv=None) -> None:
             setup_s = time.perf_counter() - start
             step_s, final_c = timed(fn, SETUP_STEPS)
             compiled.append((label, step_s, final_c, issue_s[fn], setup_s))
+            if cuda:  # one more step profiled: the GPU's busy time, and the mode each rank chose
+                import tempfile
+                with tdmesh.profile(tempfile.mkdtemp()) as traces:
+                    tdmesh.fetch_shard(fn(*batch(data, args.batch_size, cfg.block_size, rank, 0))).result()
+                busy[f"{label.strip()} ({backend})"] = limits.gpu_busy_s(os.path.join(traces, "rank0.trace.json"))
+                modes[label, backend] = list(tdmesh.call_on_shard_and_fetch(_MODES).result().values())[-1]
     print(f"\ntrain step, {args.size} GPT, {args.dtype}, {args.workers} {args.device} workers, "
           f"batch {args.batch_size}/worker, zero_grad(set_to_none={not args.keep_grads}), "
           f"{'clip_grad_norm_(error_if_nonfinite=True), ' if args.clip else ''}torch {torch.__version__}")
@@ -283,6 +299,23 @@ def main(argv=None) -> None:
         ddp_kernels = next((ln.split()[1] for ln in out.stdout.splitlines() if ln.startswith("DDP_KERNELS_PER_STEP")),
                            "?")
         print(f"  kernels/step   : {kernels} on tdmesh rank 0 (eager), {ddp_kernels} on DDP rank 0")
+    if peak is not None:
+        ddp_busy = next((float(ln.split()[1]) for ln in out.stdout.splitlines() if ln.startswith("DDP_BUSY_S")), None)
+        if ddp_busy is not None:
+            busy["torchrun DDP"] = ddp_busy
+        print(f"  the GPU's limit: a {args.dtype} 8192^3 matmul runs at {peak / 1e12:.1f} TFLOP/s on this GPU "
+              f"(this run); "
+              f"the model {flops / 1e9:.1f} GFLOP a step a worker (6N + 12 L d T a token); MFU = those FLOPs over the "
+              f"step's time, over that peak; busy = rank 0's kernels and copies a step (a profiled step)")
+        rows = [("torchrun DDP", ddp_s)] + ([("DDP + compile", float(ro_line.split()[1]))] if ro_line else [])
+        rows += [("tdmesh eager", ours_s)] + [(f"{label.strip()} ({backend})", step_s) for (label, step_s, *_), (
+            _, backend, _) in zip(compiled, variants)]
+        for label, step_s in rows:
+            b = busy.get(label)
+            print(limits.mfu_line(label, step_s, flops, peak)
+                  + (f"  GPU busy {b * 1e3:7.2f} ms/step ({b / step_s:.0%} of the step)" if b is not None else ""))
+        for (label, backend), mode in modes.items():
+            print(f"    {label.strip()} ({backend}) ran as: {mode}")
 
 
 if __name__ == "__main__":

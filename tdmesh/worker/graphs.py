@@ -7,8 +7,14 @@ runs the same collectives in the same order whether it replays the graph or not 
 kernels are the same calls on the same communicators as eager ones).
 
 The first call runs the program (warm-up: cuBLAS handles, NCCL communicators, the allocator);
-the second captures it with static copies of the inputs and replays it; later calls copy their
-inputs into those copies and replay.  Captured tensors are read and written where they are
+the next ``TRIALS`` run it too, timed; then it is captured with static copies of the inputs and
+replayed, and the first ``TRIALS`` replays are timed the same way: CUDA events around each call
+on the stream, so a time counts the GPU's work and its waits for the host's launches alike.  A
+graph whose median is slower than the program's (by more than ``MARGIN``) is dropped and the
+recording stays a program (the mode says so with both figures), with ``cuda_graph=True`` too
+(there it asks that the function can be captured): a graph saves launches, and where the launches
+were not the cost it can cost more (its own memory pool, the copies at its edges).
+Later calls copy their inputs into the static copies and replay.  Captured tensors are read and written where they are
 (their memory never moves: the client holds them for as long as the recording exists); results
 are fresh tensors (copies of the graph's outputs, which the next replay overwrites; one
 multi-tensor copy for all of them).  A call
@@ -29,6 +35,9 @@ from .streams import Stream
 
 log = logging.getLogger("tdmesh.worker")
 
+TRIALS = 3  # timed calls of each form before the choice
+MARGIN = 0.02  # a graph this much slower than the program (median call) is dropped
+
 
 class CaptureFailed(RuntimeError):
     """A recording compiled with ``cuda_graph=True`` could not be captured on this worker."""
@@ -46,14 +55,41 @@ class GraphedProgram:
         self.failed: str | None = None
         self.static_inputs: list[torch.Tensor] = []
         self.static_outputs: list[torch.Tensor] = []
+        self.timed: dict[str, list] = {"program": [], "graph": []}  # (start, end) CUDA events per call
+        self.chosen: str | None = None  # why the graph was kept or dropped, with both medians
 
     @property
     def mode(self) -> str:
         inner = self.program.mode  # "program", or "inductor"
         prefix = "inductor+" if inner == "inductor" else ""
         if self.graph is not None:
-            return prefix + "cuda_graph"
+            return prefix + "cuda_graph" + (f" ({self.chosen})" if self.chosen else "")
+        if self.chosen:
+            return f"{inner} ({self.chosen})"
         return f"{inner}: capture failed ({self.failed})" if self.failed else f"{inner} (not captured yet)"
+
+    def _timing(self, form: str):
+        """Events around this call while ``form``'s trials last (None once they are done)."""
+        if self.chosen is not None or len(self.timed[form]) >= TRIALS:
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.timed[form].append((start, end))
+        start.record()
+        return end
+
+    def _choose(self) -> None:
+        """After the graph's trials: keep it, or drop it where the program was faster."""
+        def median(form: str) -> float:
+            times = sorted(s.elapsed_time(e) for s, e in self.timed[form])
+            return times[len(times) // 2]
+        self.timed["graph"][-1][1].synchronize()  # once per recording
+        program, graph = median("program"), median("graph")
+        if graph > program * (1 + MARGIN):
+            self.chosen = f"a CUDA graph was slower: {graph:.3f} against {program:.3f} ms a call"
+            self.graph, self.static_inputs, self.static_outputs = None, [], []
+            log.info("recording %s stays a program: %s", self.program.recording, self.chosen)
+        else:
+            self.chosen = f"measured {graph:.3f} against {program:.3f} ms a call as a program"
 
     def call(self, call: m.CallRecording, stream: Stream) -> None:
         program = self.program
@@ -66,6 +102,12 @@ class GraphedProgram:
             if not self.warmed:
                 self.warmed = True
                 return program.call(call, stream)
+            end = self._timing("program")
+            if end is not None or self.chosen is not None:  # a timed trial, or the program was chosen
+                program.call(call, stream)
+                if end is not None:
+                    end.record()
+                return
             if self.failed is None:
                 try:
                     self._capture(inputs, env)
@@ -80,7 +122,9 @@ class GraphedProgram:
                                       f"a CUDA graph on worker {program.interp.rank}: {self.failed}")
                 program.interp.fail(env, call.seq, call.results, (), error, "cuda graph capture")
                 return
+            end = self._timing("graph")
         else:
+            end = self._timing("graph")  # the inputs' copies are the graph's cost too
             for static, value in zip(self.static_inputs, inputs):
                 if static.data_ptr() != value.data_ptr():
                     static.copy_(value)
@@ -94,6 +138,10 @@ class GraphedProgram:
             torch._foreach_copy_(fresh, outs)
         for ref, value in zip(call.results, fresh):
             env[ref] = value
+        if end is not None:
+            end.record()
+            if len(self.timed["graph"]) == TRIALS:
+                self._choose()
 
     def _capture(self, inputs: list[torch.Tensor], env: dict) -> None:
         program = self.program
