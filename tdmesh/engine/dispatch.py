@@ -32,7 +32,6 @@ from .placement import check_inputs, check_mutation, plainly_placed
 from .plan import MAX_PLANS, PLANS, OpPlan, make_plan, outputs_of
 from .propagation import TensorMeta, meta_tensor, op_aliasing, propagate, tensor_meta
 from .saved import workers_record
-from .settle import pending, settle
 from .stream import get_active_stream
 from .tensor import Tensor, describe, raise_in_op
 from .unshaped import data_dependent, dispatch_unshaped, meta_stricter, no_kernel
@@ -100,8 +99,6 @@ def dispatch(_caller, func, _types, args: tuple = (), kwargs: dict | None = None
     """Turn one aten call into a remote op and return its result proxies.  This is ``__torch_dispatch__``
     itself, of the mesh's mode and of ``Tensor`` (``_caller`` is the mode or the class): one frame on
     either path, which the call-site captures of :mod:`tdmesh.engine.issue` count on."""
-    if pending:  # a fault-tolerant step not yet confirmed: settled before this op (settle.py)
-        settle()
     if kwargs is None:
         kwargs = {}
     if learners[0]:  # an operator call learns what it dispatches: every op counts (operators.py)
