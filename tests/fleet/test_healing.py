@@ -198,8 +198,9 @@ def test_shrink_drops_the_dead_rank_and_the_replicas_agree_afterwards():
 
 
 def test_under_torchrun_a_dead_worker_heals_without_a_restart():
-    """TDMESH_SPARES=1 on 3 ranks: each rank's worker runs below a keeper, so torchrun never sees rank 1's
-    worker die; the job exits 0 on its first run, with the losses of the same job without the fault."""
+    """TDMESH_SPARES=1 on 3 ranks: the last rank is a spare, outside the world mesh; each rank's worker runs
+    below a keeper, so torchrun never sees rank 1's worker die; the job exits 0 on its first run, with the
+    losses of the same job without the fault."""
     import runpy
     import subprocess
     import sys
@@ -216,6 +217,8 @@ def test_under_torchrun_a_dead_worker_heals_without_a_restart():
     assert said["heals"] == "[(1, 2, 'a spare')]" and heals == []
     assert said["losses"] == str(losses) and agree
     assert said["restart_count"] == "0" and said["replicas"] == "agree True"
+    # the spare: named in the world mesh's repr, outside the mesh (a remote function runs on ranks 0 and 1)
+    assert said["MESH"] == "<DeviceMesh {host=1, gpu=2} ranks 0..1, spares 2>" and said["RAN"] == "[0, 1]"
 
 
 def test_a_hung_worker_is_stopped_and_replaced():

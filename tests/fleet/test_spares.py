@@ -2,22 +2,20 @@
 
 ``local_mesh(spares=k)`` and, under torchrun, ``TDMESH_SPARES=k`` keep the last k ranks out of the mesh: ops,
 collectives and remote functions run on the mesh's ranks only (the values equal those of a mesh without spares),
-the spares answer the client's all-rank messages, and no spare process outlives the fleet.
+the spares answer the client's all-rank messages, and no spare process outlives the fleet.  Under torchrun
+the world mesh's spare is tested with healing (``test_healing.py``: its torchrun job prints the mesh and where a
+remote function ran).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from _processes import gone
 
 import tdmesh
-
-from paths import SCRIPTS
 
 
 def rank_of():
@@ -42,16 +40,6 @@ def test_spares_stay_outside_the_mesh_and_leave_with_it(spares):
         for r in range(2, 2 + spares):
             os.kill(pids[r], 0)  # alive while the fleet is
     assert all(gone(pid) for pid in pids.values())
-
-
-def test_torchrun_keeps_the_last_ranks_as_spares():
-    env = dict(os.environ, OMP_NUM_THREADS="1", TDMESH_SPARES="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
-                          "-m", "tdmesh.worker", os.path.join(SCRIPTS, "spares_job.py")],
-                         capture_output=True, text=True, timeout=180, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "MESH <DeviceMesh {host=1, gpu=2} ranks 0..1, spares 2>" in out.stdout
-    assert "SUM [3.0, 3.0]" in out.stdout and "RAN [0, 1]" in out.stdout
 
 
 def test_spares_that_leave_no_mesh_are_refused():

@@ -3,7 +3,8 @@
     TDMESH_SPARES=1 torchrun --standalone --nproc_per_node 3 --max-restarts 1 -m tdmesh.worker \\
         tests/scripts/heal_torchrun_job.py [--fault]
 
-Prints the losses, the heals and ``restart_count``; with ``--fault`` the worker of rank 1 is SIGKILLed in
+Prints the world mesh (its repr names the spare), where a remote function ran (the mesh's ranks, not the
+spare), the losses, the heals and ``restart_count``; with ``--fault`` the worker of rank 1 is SIGKILLed in
 step 2.  The test compares the run with the fault against ``train`` on a local mesh without it.
 """
 import os
@@ -13,6 +14,10 @@ import sys
 import torch
 
 import tdmesh
+
+
+def rank_of() -> int:
+    return int(os.environ["RANK"])
 
 
 @tdmesh.remote(propagate=lambda rank: None)
@@ -48,7 +53,11 @@ def train(mesh, fault: bool):
 
 
 if __name__ == "__main__":
-    losses, agree, heals = train(tdmesh.world_mesh(), "--fault" in sys.argv)
+    world = tdmesh.world_mesh()
+    print("MESH", repr(world), flush=True)
+    with world.activate():
+        print("RAN", sorted(v for _, v in tdmesh.remote(rank_of).call().get()), flush=True)
+    losses, agree, heals = train(world, "--fault" in sys.argv)
     print("losses", losses, flush=True)
     print("replicas agree", agree, flush=True)
     print("heals", heals, flush=True)
