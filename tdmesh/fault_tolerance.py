@@ -154,6 +154,9 @@ class FaultTolerance:
             if self.checkpoint_dir is not None:
                 self._confirm_all()
         except BaseException as e:
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                self._window = []  # nothing is waited for on the way out
+                raise
             if not self._broken(e):
                 self._abandon(e)
                 raise
@@ -183,15 +186,21 @@ class FaultTolerance:
         # answered already (applied with the replies the client reads as it issues: no wait, no flush here)
         return (start._finished() and start._exception is None) or number - self._window[0].number >= self.window_cap
 
-    def _issue(self, number: int, fn: Callable[..., Any], args: tuple, kwargs: dict, saved: StepState) -> None:
+    def _issue(self, number: int, fn: Callable[..., Any], args: tuple, kwargs: dict, saved: StepState,
+               returned: Any = UNSET) -> None:
         """Step ``number``'s ops, added to the window: with a full ``saved``, the workers' copy first (before
-        a third copy, the steps up to the second are confirmed: a worker keeps two)."""
+        a third copy, the steps up to the second are confirmed: a worker keeps two).  ``returned``: what this
+        step returned when it first ran (a heal runs it again): bound to the new values, and kept."""
         start = None
         if saved.full:
             self._drop_confirmed(wait=True)
             start = send_value(self._mesh, _STASH, (number, saved.packed_refs, 2), {}, None, flush=False)
-        self._window.append(StepRecord(number, fn, args, kwargs, saved, UNSET, start))
-        self._window[-1] = self._window[-1]._replace(result=fn(*args, **kwargs))
+        self._window.append(StepRecord(number, fn, args, kwargs, saved, returned, start))
+        result = fn(*args, **kwargs)
+        if returned is UNSET:
+            self._window[-1] = self._window[-1]._replace(result=result)
+        else:
+            rebind(returned, result)
 
     def _drop_confirmed(self, wait: bool) -> None:
         """The window begins at its newest copy that has answered (waiting for the second copy's answer with
@@ -259,10 +268,7 @@ class FaultTolerance:
                     if i:
                         step.saved.restore_client()
                     self._issue(step.number, step.fn, step.args, step.kwargs,
-                                StepState(self.state, self._mesh, full=step.saved.full))
-                    if step.result is not UNSET:
-                        rebind(step.result, self._window[-1].result)
-                        self._window[-1] = self._window[-1]._replace(result=step.result)
+                                StepState(self.state, self._mesh, full=step.saved.full), step.result)
                 self._confirm_all()
                 return
             except BaseException as e:
