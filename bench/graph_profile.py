@@ -1,7 +1,9 @@
 """Where a CUDA-graph replay of the small GPT step spends its time, ``zero_grad()`` against
-``zero_grad(set_to_none=False)``, same run (GPU only):
+``zero_grad(set_to_none=False)``, same run (GPU only); with ``--forms``, the step as a program against
+the same step as a CUDA graph (``--keep-graph``: kept even where slower, to see why):
 
     python3 -m bench.graph_profile
+    python3 -m bench.graph_profile --size gpt2 --dtype bf16 --batch-size 16 --forms --keep-graph
 
 Per variant (each twice, alternating): ms per step over 30 replays (``--steps``) (batches made before the
 timer), then 5 replays under ``tdmesh.profile``: rank 0's event categories per step, the GPU
@@ -54,8 +56,16 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=("tiny", "small", "gpt2"), default="small")
     p.add_argument("--steps", type=int, default=30, help="timed replays per variant")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--keep-graph", action="store_true",
+                   help="keep each graph untimed (TDMESH_GRAPH_TRIALS=0): profile a graph even where it is slower")
+    p.add_argument("--forms", action="store_true",
+                   help="compare the step as a program and as a CUDA graph (zero_grad's default), not zero_grad's two")
     args = h.parse(p, argv, size="tiny", steps=2)
     h.require_cuda("graph_profile")
+    if args.keep_graph:
+        os.environ["TDMESH_GRAPH_TRIALS"] = "0"  # the workers start below: they read it
     import torch
 
     import tdmesh
@@ -64,18 +74,21 @@ def main(argv=None) -> None:
     from nanogpt import GPT, sized
     train = runpy.run_path(os.path.join(ROOT, "tutorials", "05_train.py"))
     cfg, tokens = sized(args.size)
-    warm, timed = 5, args.steps
+    from tdmesh.worker.graphs import TRIALS
+    warm, timed = 5 + 2 * TRIALS, args.steps  # past the graph's trials (worker/graphs.py)
     batch = tdmesh.remote(train["seeded_batch"], propagate=lambda d, b, t, r, s: (
         torch.empty(b, t, dtype=torch.int64), torch.empty(b, t, dtype=torch.int64)))
     with tdmesh.local_mesh(hosts=1, gpus_per_host=1) as mesh, mesh.activate():
         data = torch.tensor(tokens)
         rank = mesh.rank(mesh.names)
-        for keep in (False, True, False, True):
+        variants = [(False, False), (False, True)] * 2 if args.forms else [(True, False), (True, True)] * 2
+        for graph, keep in variants:
             tdmesh.random.set_manual_seed_remote(0)
             model = GPT(cfg)
             opt = train_optimizer(model.parameters(), True)
-            fn = tdmesh.compile(data_parallel_step(model, opt, mesh, set_to_none=not keep), cuda_graph=True)
-            xs = [batch(data, 8, cfg.block_size, rank, i) for i in range(warm + timed + PROFILED)]
+            step = data_parallel_step(model, opt, mesh, args.dtype == "bf16", set_to_none=not keep)
+            fn = tdmesh.compile(step, cuda_graph=True if graph else False)
+            xs = [batch(data, args.batch_size, cfg.block_size, rank, i) for i in range(warm + timed + PROFILED)]
             for x, y in xs[:warm]:
                 loss = fn(x, y)
             tdmesh.fetch_shard(loss).result()
@@ -84,7 +97,8 @@ def main(argv=None) -> None:
                 loss = fn(x, y)
             tdmesh.fetch_shard(loss).result()
             per_step = (time.perf_counter() - start) / timed
-            print(f"zero_grad(set_to_none={not keep}): {per_step * 1e3:.3f} ms/step, mode {fn.mode}, "
+            what = f"cuda_graph={graph}" if args.forms else f"zero_grad(set_to_none={not keep})"
+            print(f"{what}: {per_step * 1e3:.3f} ms/step, mode {fn.mode}, "
                   f"{len(fn.last.kept_refs)} state refs", flush=True)
             with tdmesh.profile(tempfile.mkdtemp()) as traces:
                 for x, y in xs[warm + timed:]:

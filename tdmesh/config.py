@@ -55,6 +55,8 @@ VARIABLES = {
                                               "DeviceException"),
     "TDMESH_SPARES": ("0", "under torchrun: how many of the WORLD_SIZE ranks (the last ones) stay outside world_mesh() "
                            "as spares, connected and authenticated like the others (local_mesh takes spares=)"),
+    "TDMESH_GRAPH_TRIALS": ("3", "a compiled function's calls timed as a program, then as a CUDA graph, before a "
+                                 "worker keeps the faster (0: a captured graph is kept untimed)"),
     "TDMESH_HEALABLE": ("auto", "under torchrun: 1 runs each rank's worker one process below torchrun's, so that its "
                                 "death heals (tdmesh.FaultTolerance) without torchrun restarting the job; 'auto': when "
                                 "TDMESH_SPARES > 0; 0: never"),

@@ -29,13 +29,14 @@ import logging
 
 import torch
 
+from ..config import env_int
 from ..protocol import messages as m
 from .programs import Program
 from .streams import Stream
 
 log = logging.getLogger("tdmesh.worker")
 
-TRIALS = 3  # timed calls of each form before the choice
+TRIALS = env_int("TDMESH_GRAPH_TRIALS")  # timed calls of each form before the choice (0: a graph is kept untimed)
 MARGIN = 0.02  # a graph this much slower than the program (median call) is dropped
 
 
@@ -70,7 +71,7 @@ class GraphedProgram:
 
     def _timing(self, form: str):
         """Events around this call while ``form``'s trials last (None once they are done)."""
-        if self.chosen is not None or len(self.timed[form]) >= TRIALS:
+        if self.chosen is not None or len(self.timed[form]) >= TRIALS:  # also TRIALS == 0: never timed
             return None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.timed[form].append((start, end))
