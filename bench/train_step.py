@@ -35,7 +35,6 @@ import time
 from bench import helpers as h
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_MODES = "tdmesh.worker.builtins.recording_modes"
 SETUP_STEPS = 3  # untimed first steps (allocation; for a compiled step: eager, eager, trace)
 sys.path.insert(0, os.path.join(ROOT, "tutorials"))
 
@@ -250,7 +249,8 @@ def main(argv=None) -> None:
                 with tdmesh.profile(tempfile.mkdtemp()) as traces:
                     tdmesh.fetch_shard(fn(*batch(data, args.batch_size, cfg.block_size, rank, 0))).result()
                 busy[f"{label.strip()} ({backend})"] = limits.gpu_busy_s(os.path.join(traces, "rank0.trace.json"))
-                modes[label, backend] = list(tdmesh.call_on_shard_and_fetch(_MODES).result().values())[-1]
+                modes[label, backend] = list(tdmesh.call_on_shard_and_fetch(tdmesh.remote(
+                    "tdmesh.worker.builtins.recording_modes")).result().values())[-1]
     print(f"\ntrain step, {args.size} GPT, {args.dtype}, {args.workers} {args.device} workers, "
           f"batch {args.batch_size}/worker, zero_grad(set_to_none={not args.keep_grads}), "
           f"{'clip_grad_norm_(error_if_nonfinite=True), ' if args.clip else ''}torch {torch.__version__}")
