@@ -60,6 +60,18 @@ def gpu_busy_s(trace_path: str, steps: int = 1) -> float:
     return busy / 1e6 / steps
 
 
+def top_kernels(trace_path: str, n: int = 8) -> list[tuple[str, float, int]]:
+    """The ``n`` kernels that took the most GPU time in a trace: (name, ms, launches)."""
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    by: dict = {}
+    for e in events:
+        if e.get("cat") == "kernel" and "dur" in e:
+            total, count = by.get(e["name"], (0.0, 0))
+            by[e["name"]] = (total + e["dur"] / 1e3, count + 1)
+    return sorted(((k, t, c) for k, (t, c) in by.items()), key=lambda r: -r[1])[:n]
+
+
 def mfu_line(label: str, step_s: float, flops: float, peak: float) -> str:
     rate = flops / step_s
     return f"    {label:<22}: {step_s * 1e3:8.2f} ms/step  {rate / 1e12:7.1f} TFLOP/s  MFU {rate / peak:6.1%}"

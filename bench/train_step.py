@@ -230,6 +230,7 @@ def main(argv=None) -> None:
             variants += [("tdmesh inductor", "inductor", False)] + ([(graph_label, "inductor", graph)] if cuda else [])
         compiled: list = []
         modes: dict = {}
+        kernels_of: dict = {}  # label -> the kernels that took longest in its profiled step
         setup = SETUP_STEPS + (2 * GRAPH_TRIALS if cuda else 0)
         for label, backend, graph in variants:
             # compiled from step 0, as a torch.compile user writes it: the first call makes the
@@ -248,7 +249,9 @@ def main(argv=None) -> None:
                 import tempfile
                 with tdmesh.profile(tempfile.mkdtemp()) as traces:
                     tdmesh.fetch_shard(fn(*batch(data, args.batch_size, cfg.block_size, rank, 0))).result()
-                busy[f"{label.strip()} ({backend})"] = limits.gpu_busy_s(os.path.join(traces, "rank0.trace.json"))
+                trace = os.path.join(traces, "rank0.trace.json")
+                busy[f"{label.strip()} ({backend})"] = limits.gpu_busy_s(trace)
+                kernels_of[f"{label.strip()} ({backend})"] = limits.top_kernels(trace)
                 modes[label, backend] = list(tdmesh.call_on_shard_and_fetch(tdmesh.remote(
                     "tdmesh.worker.builtins.recording_modes")).result().values())[-1]
     print(f"\ntrain step, {args.size} GPT, {args.dtype}, {args.workers} {args.device} workers, "
@@ -320,6 +323,12 @@ def main(argv=None) -> None:
                   + (f"  GPU busy {b * 1e3:7.2f} ms/step ({b / step_s:.0%} of the step)" if b is not None else ""))
         for (label, backend), mode in modes.items():
             print(f"    {label.strip()} ({backend}) ran as: {mode}")
+        if kernels_of:
+            best = min(rows[2:], key=lambda r: r[1])[0] if len(rows) > 2 else None
+            if best in kernels_of:
+                print(f"    the kernels that took longest in {best}'s step (ms, launches):")
+                for name, ms, count in kernels_of[best]:
+                    print(f"      {ms:8.3f} {count:5d}  {name[:110]}")
 
 
 if __name__ == "__main__":
