@@ -108,23 +108,24 @@ def test_a_graph_slower_than_its_program_is_dropped_and_the_mode_says_why():
     into the static copy, the result out of the graph's pool), three times the memory traffic.  The first
     replays measure it (a worker with the default trials), the program stays, the values the same either way;
     a training step's graph, faster than its program, is kept and says so."""
-    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, pool=False) as mesh, mesh.activate():
-        @tdmesh.compile(cuda_graph=True)
-        def doubled(x):
-            y = x * 2
-            s = y[:1, :1]
-            for _ in range(10):  # a graph needs 10 ops or more (capture.py); these are tiny
-                s = s + 1
-            return y, s
+    with tdmesh.local_mesh(hosts=1, gpus_per_host=1, pool=False) as mesh:
+        with mesh.activate():
+            @tdmesh.compile(cuda_graph=True)
+            def doubled(x):
+                y = x * 2
+                s = y[:1, :1]
+                for _ in range(10):  # a graph needs 10 ops or more (capture.py); these are tiny
+                    s = s + 1
+                return y, s
 
-        xs = [torch.full((64, 2**20), float(i)) for i in range(10)]  # 256 MiB each, in fp32
-        corners = [fetch_shard(doubled(x)[0][::16, ::2**16]).result() for x in xs]
-        modes = tdmesh.call_on_shard_and_fetch(recording_modes).result()
-        mode = [v for v in modes.values() if "graph" in v][-1]
-        assert mode.startswith("program (a CUDA graph was slower:"), mode
-        assert all(torch.equal(c, torch.full((4, 16), 2.0 * i)) for i, c in enumerate(corners))
-        _, modes = _train(mesh, 22, True)
-    assert list(modes.values())[-1].startswith("cuda_graph (measured"), modes
+            xs = [torch.full((64, 2**20), float(i)) for i in range(10)]  # 256 MiB each, in fp32
+            corners = [fetch_shard(doubled(x)[0][::16, ::2**16]).result() for x in xs]
+            modes = tdmesh.call_on_shard_and_fetch(recording_modes).result()
+        _, trained = _train(mesh, 22, True)
+    mode = [v for v in modes.values() if "graph" in v][-1]
+    assert mode.startswith("program (a CUDA graph was slower:"), mode
+    assert all(torch.equal(c, torch.full((4, 16), 2.0 * i)) for i, c in enumerate(corners))
+    assert list(trained.values())[-1].startswith("cuda_graph (measured"), trained
 
 
 def test_what_cannot_be_a_graph_warns_once_by_default_and_raises_with_cuda_graph_true(gpu_mesh):
