@@ -7,7 +7,6 @@ a collective only with two or more GPUs (a group of one reduces nothing): with o
 captured step has no NCCL kernel in it; the multi-GPU test runs only where there are two.
 """
 
-import os
 import warnings
 
 import pytest
@@ -30,20 +29,14 @@ recording_modes = remote("tdmesh.worker.builtins.recording_modes")
 def gpu_mesh():
     """A worker that keeps every graph it captures, untimed (``TDMESH_GRAPH_TRIALS=0``): these tests are about a
     graph's semantics, and a graph of a few ops is slower than its program (the measured choice drops it)."""
-    before = os.environ.get("TDMESH_GRAPH_TRIALS")
-
-    def put_back() -> None:
-        if before is None:
-            os.environ.pop("TDMESH_GRAPH_TRIALS", None)
-        else:
-            os.environ["TDMESH_GRAPH_TRIALS"] = before
-    os.environ["TDMESH_GRAPH_TRIALS"] = "0"  # read by the worker as it starts
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TDMESH_GRAPH_TRIALS", "0")  # read by the worker as it starts
     try:
         with tdmesh.local_mesh(hosts=1, gpus_per_host=1, pool=False) as mesh:
-            put_back()
+            patch.undo()
             yield mesh
     finally:
-        put_back()
+        patch.undo()
 
 
 def _train(mesh, steps: int, cuda_graph, backend: str = "program") -> tuple[list[float], dict]:
