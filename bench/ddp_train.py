@@ -24,7 +24,7 @@ from tdmesh.config import cpu_forced
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tutorials"))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.helpers import OpCounter, count_kernels, train_optimizer  # noqa: E402
+from bench.helpers import OPTIMIZERS, OpCounter, count_kernels, train_optimizer  # noqa: E402
 
 from nanogpt import GPT, SIZES, get_batch, sized  # noqa: E402
 
@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--serve", default="", metavar="HOST:PORT",
                    help="after the timed steps, run blocks of --block steps when a TCPStore there says go (see serve)")
     p.add_argument("--block", type=int, default=5)
+    p.add_argument("--optimizer", default="fused", choices=OPTIMIZERS, help="CUDA: train_optimizer's kind")
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not cpu_forced()
     rank = int(os.environ["RANK"])
@@ -52,7 +53,7 @@ def main() -> None:
     with torch.device(device):  # initialised where tdmesh's workers initialise theirs: same generator, same weights
         model = GPT(cfg)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
-    opt = train_optimizer(model.parameters(), cuda)
+    opt = train_optimizer(model.parameters(), cuda, args.optimizer)
     data = torch.tensor(tokens, device=device)
     times = []
     for step in range(args.steps + 3):
@@ -149,7 +150,7 @@ def _reduce_overhead(args, cfg, data, device, rank) -> None:
         model = GPT(cfg)
     ddp = torch.compile(torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index]),
                         mode="reduce-overhead")
-    opt = train_optimizer(model.parameters(), True)
+    opt = train_optimizer(model.parameters(), True, args.optimizer)
     times = []
     start = time.perf_counter()
     for step in range(args.steps + 3):

@@ -313,12 +313,20 @@ def count_kernels(trace_path: str) -> int:
     return sum(1 for e in events if e.get("cat") == "kernel")
 
 
-def train_optimizer(params, cuda: bool):
+OPTIMIZERS = ("fused", "foreach")  # bench.train_step's --optimizer (CUDA)
+
+
+def train_optimizer(params, cuda: bool, kind: str = "fused"):
     """The benches' optimizer, the same for DDP and tdmesh: the fast flags of README's
     Optimizers section (one fused AdamW op per step on CUDA; foreach SGD with momentum on CPU,
-    where torch's default for plain tensors is the per-parameter loop)."""
+    where torch's default for plain tensors is the per-parameter loop).  ``kind="foreach"`` (CUDA):
+    AdamW as torch's multi-tensor ops, its step counts on the GPU (``capturable``), which a compiled
+    step with ``backend="inductor"`` hands to inductor with the rest of the step (a fused AdamW is one
+    opaque kernel between its graphs)."""
     import torch
     if cuda:
+        if kind == "foreach":
+            return torch.optim.AdamW(params, lr=3e-3, foreach=True, capturable=True)
         return torch.optim.AdamW(params, lr=3e-3, fused=True)
     return torch.optim.SGD(params, lr=0.3, momentum=0.9, foreach=True)
 

@@ -48,6 +48,11 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--inductor", action="store_true", help="also backend='inductor' (compiles for a while)")
+    p.add_argument("--inductor-only", action="store_true",
+                   help="of the compiled variants, only backend='inductor' (and its CUDA graph)")
+    p.add_argument("--optimizer", default="fused", choices=h.OPTIMIZERS,
+                   help="CUDA: AdamW fused (one opaque kernel) or foreach (torch's multi-tensor ops, which inductor "
+                        "compiles with the step); the same for DDP")
     p.add_argument("--clip", action="store_true",
                    help="every variant clips gradients with error_if_nonfinite=True: a host read every step, "
                         "which a compiled step checks between the parts of its recording")
@@ -82,7 +87,7 @@ def main(argv=None) -> None:
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                               str(args.workers), os.path.join(ROOT, "bench", "ddp_train.py"), "--steps",
                               str(args.steps), "--size", args.size, "--dtype", args.dtype, "--batch-size",
-                              str(args.batch_size)]
+                              str(args.batch_size), "--optimizer", args.optimizer]
                              + (["--reduce-overhead"] if args.device == "cuda" and first else [])
                              + (["--clip"] if args.clip else []),
                              capture_output=True, text=True, env=env, timeout=600)
@@ -101,7 +106,7 @@ def main(argv=None) -> None:
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.workers),
              os.path.join(ROOT, "bench", "ddp_train.py"), "--steps", str(args.steps), "--size", args.size, "--dtype",
              args.dtype, "--batch-size", str(args.batch_size), "--serve", f"127.0.0.1:{store.port}", "--block",
-             str(args.block)] + (["--clip"] if args.clip else []),
+             str(args.block), "--optimizer", args.optimizer] + (["--clip"] if args.clip else []),
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     ro_line = next((ln for ln in out.stdout.splitlines() if ln.startswith("DDP_RO_STEP_SECONDS")), None)
     for ln in out.stdout.splitlines():
@@ -144,7 +149,7 @@ def main(argv=None) -> None:
             written as a user writes it: torch's default zero_grad (new gradients each step)."""
             tdmesh.random.set_manual_seed_remote(0)
             model = GPT(cfg)
-            opt = train_optimizer(model.parameters(), mesh.device_type == "cuda")
+            opt = train_optimizer(model.parameters(), mesh.device_type == "cuda", args.optimizer)
             if overlap is not None:
                 return overlapped_step(model, opt, mesh, args.dtype == "bf16", set_to_none=not args.keep_grads,
                                        buckets=args.buckets, how=overlap)
@@ -225,8 +230,9 @@ def main(argv=None) -> None:
         cuda = mesh.device_type == "cuda"
         # a step that reads a value on the host (--clip) is a graph per part that can be one: cuda_graph=None
         graph_label, graph = ("  + CUDA graphs", None) if args.clip else ("  + CUDA graph", True)
-        variants = [("tdmesh compiled", "program", False)] + ([(graph_label, "program", graph)] if cuda else [])
-        if args.inductor:
+        variants = [] if args.inductor_only else \
+            [("tdmesh compiled", "program", False)] + ([(graph_label, "program", graph)] if cuda else [])
+        if args.inductor or args.inductor_only:
             variants += [("tdmesh inductor", "inductor", False)] + ([(graph_label, "inductor", graph)] if cuda else [])
         compiled: list = []
         modes: dict = {}
@@ -256,7 +262,8 @@ def main(argv=None) -> None:
                     "tdmesh.worker.builtins.recording_modes")).result().values())[-1]
     print(f"\ntrain step, {args.size} GPT, {args.dtype}, {args.workers} {args.device} workers, "
           f"batch {args.batch_size}/worker, zero_grad(set_to_none={not args.keep_grads}), "
-          f"{'clip_grad_norm_(error_if_nonfinite=True), ' if args.clip else ''}torch {torch.__version__}")
+          f"{'clip_grad_norm_(error_if_nonfinite=True), ' if args.clip else ''}"
+          f"{'AdamW ' + args.optimizer + ', ' if args.device == 'cuda' else ''}torch {torch.__version__}")
     print(f"  torchrun DDP   : {ddp_s * 1e3:9.2f} ms/step   ({line.split('LOSS')[1].strip()} final loss; the median "
           f"step; the mean {ddp_mean_s * 1e3:.2f} ms)")
     if ro_line is not None:

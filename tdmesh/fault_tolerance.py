@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 from . import checkpoint
 from .engine import settle
 from .engine.fetch import send_value
+from .engine.future import Future
 from .engine.tensor import Tensor, describe
 from .errors import DeviceException, RemoteException, UsageError
 from .fleet.heal import reform
@@ -46,6 +47,11 @@ _STASH = "tdmesh.worker.healing.stash"
 _RESTORE = "tdmesh.worker.healing.restore"
 _RNG = "tdmesh.worker.healing.rng_bundle"
 _FINGERPRINTS = "tdmesh.worker.healing.fingerprints"
+
+
+def _answered(copy: Future) -> bool:
+    """A copy's answer has come back without an error (read from replies already applied: no wait)."""
+    return copy._finished() and copy._exception is None
 
 
 class HealRecord(NamedTuple):
@@ -184,7 +190,7 @@ class FaultTolerance:
         start = copies[1].start
         assert start is not None
         # answered already (applied with the replies the client reads as it issues: no wait, no flush here)
-        return (start._finished() and start._exception is None) or number - self._window[0].number >= self.window_cap
+        return _answered(start) or number - self._window[0].number >= self.window_cap
 
     def _issue(self, number: int, fn: Callable[..., Any], args: tuple, kwargs: dict, saved: StepState,
                returned: Any = UNSET) -> None:
@@ -211,7 +217,7 @@ class FaultTolerance:
         i = later[-1] if not wait else later[0]
         start = self._window[i].start
         assert start is not None
-        if not wait and not (start._finished() and start._exception is None):
+        if not wait and not _answered(start):
             return
         self._rng = self._by_rank(start.result())
         self._last = self._window[i - 1].result

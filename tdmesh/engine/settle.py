@@ -45,7 +45,7 @@ def settle(inputs: Sequence = ()) -> None:
         return
     _, fn, _ = pending.pop()
     fn()
-    for t in inputs:
-        lost = getattr(getattr(t, "_r", None), "dropped_at", None)
+    for t in inputs:  # proxies: each holds its ref's owner
+        lost = t._r.dropped_at
         if type(lost) is str:
             raise_in_op("DROPPED", f"tensor {t._r.id} {lost}, so it cannot be used in the op issued here")
