@@ -36,6 +36,8 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="bf16: autocast around the forward")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--reduce-overhead", action="store_true")
+    p.add_argument("--compile-mode", default="reduce-overhead",
+                   help="torch.compile's mode for --reduce-overhead's run (one with CUDA graphs: max-autotune)")
     p.add_argument("--clip", action="store_true", help="clip_grad_norm_(..., error_if_nonfinite=True) in every step")
     p.add_argument("--serve", default="", metavar="HOST:PORT",
                    help="after the timed steps, run blocks of --block steps when a TCPStore there says go (see serve)")
@@ -144,12 +146,13 @@ def _step(ddp, opt, x, y, dtype: str, device: torch.device, clip: bool = False):
 
 
 def _reduce_overhead(args, cfg, data, device, rank) -> None:
-    """The same training as DDP under torch.compile(mode="reduce-overhead"), from the same weights."""
+    """The same training as DDP under torch.compile(mode="reduce-overhead") (or ``--compile-mode``), from the
+    same weights."""
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(cfg)
     ddp = torch.compile(torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index]),
-                        mode="reduce-overhead")
+                        mode=args.compile_mode)
     opt = train_optimizer(model.parameters(), True, args.optimizer)
     times = []
     start = time.perf_counter()

@@ -48,6 +48,10 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--inductor", action="store_true", help="also backend='inductor' (compiles for a while)")
+    p.add_argument("--inductor-mode", default=None, metavar="MODE",
+                   help="the inductor variants with torch.compile MODE's options (torch._inductor.list_mode_options, "
+                        "less its own CUDA graphs: tdmesh captures the step), and DDP's compiled run in that mode "
+                        "(max-autotune: with CUDA graphs, as reduce-overhead)")
     p.add_argument("--inductor-only", action="store_true",
                    help="of the compiled variants, only backend='inductor' (and its CUDA graph)")
     p.add_argument("--optimizer", default="fused", choices=h.OPTIMIZERS,
@@ -88,6 +92,7 @@ def main(argv=None) -> None:
                               str(args.workers), os.path.join(ROOT, "bench", "ddp_train.py"), "--steps",
                               str(args.steps), "--size", args.size, "--dtype", args.dtype, "--batch-size",
                               str(args.batch_size), "--optimizer", args.optimizer]
+                             + (["--compile-mode", args.inductor_mode] if args.inductor_mode else [])
                              + (["--reduce-overhead"] if args.device == "cuda" and first else [])
                              + (["--clip"] if args.clip else []),
                              capture_output=True, text=True, env=env, timeout=600)
@@ -232,18 +237,24 @@ def main(argv=None) -> None:
         graph_label, graph = ("  + CUDA graphs", None) if args.clip else ("  + CUDA graph", True)
         variants = [] if args.inductor_only else \
             [("tdmesh compiled", "program", False)] + ([(graph_label, "program", graph)] if cuda else [])
-        if args.inductor or args.inductor_only:
+        if args.inductor or args.inductor_only or args.inductor_mode:
             variants += [("tdmesh inductor", "inductor", False)] + ([(graph_label, "inductor", graph)] if cuda else [])
         compiled: list = []
         modes: dict = {}
         kernels_of: dict = {}  # label -> the kernels that took longest in its profiled step
         setup = SETUP_STEPS + (2 * GRAPH_TRIALS if cuda else 0)
+        inductor_options = None
+        if args.inductor_mode:
+            from torch._inductor import list_mode_options
+            inductor_options = {k: v for k, v in list_mode_options(args.inductor_mode).items()
+                                if k != "triton.cudagraphs"}
         for label, backend, graph in variants:
             # compiled from step 0, as a torch.compile user writes it: the first call makes the
             # gradients and the optimizer's state (eager ops), the gradients settle at the third
             # call (a recording), which also compiles; on CUDA a graph's trials follow (worker/graphs.py:
             # TRIALS calls as a program, the capture, TRIALS replays), untimed, every compiled variant alike
-            fn = tdmesh.compile(fresh(), backend=backend, cuda_graph=graph)
+            fn = tdmesh.compile(fresh(), backend=backend, cuda_graph=graph,
+                                options=inductor_options if backend == "inductor" else None)
             start = time.perf_counter()
             for i in range(setup):
                 loss = fn(*batch(data, args.batch_size, cfg.block_size, rank, i))
@@ -268,7 +279,8 @@ def main(argv=None) -> None:
           f"step; the mean {ddp_mean_s * 1e3:.2f} ms)")
     if ro_line is not None:
         ro = ro_line.split()
-        print(f"  DDP + compile  : {float(ro[1]) * 1e3:9.2f} ms/step   (torch.compile mode='reduce-overhead'; "
+        print(f"  DDP + compile  : {float(ro[1]) * 1e3:9.2f} ms/step   (torch.compile "
+              f"mode='{args.inductor_mode or 'reduce-overhead'}'; "
               f"{ro[3]} final loss; first 3 steps incl. compile {float(ro[5]):.1f} s)  DDP/this "
               f"{ddp_s / float(ro[1]):.3f}x")
     print(f"  tdmesh         : {ours_s * 1e3:9.2f} ms/step   ({final:.4f} final loss; the client issues a step "

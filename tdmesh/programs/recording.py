@@ -76,11 +76,12 @@ def way_out(guard) -> str:
 
 
 class _Compiled:
-    def __init__(self, fn, verify: bool, backend: str, cuda_graph: bool | None) -> None:
+    def __init__(self, fn, verify: bool, backend: str, cuda_graph: bool | None, options: dict | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"tdmesh.compile: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
         if backend == "messages" and cuda_graph:
             raise ValueError("tdmesh.compile: cuda_graph=True needs backend='program' (a graph captures a program)")
+        self.options = inductor_options(backend, options)
         self.fn = fn
         self.verify = verify
         self.backend = backend
@@ -162,6 +163,7 @@ class _Compiled:
         rec.verified = not self.verify or bool(rec.kept_refs) or bool(rec.guards)
         self.recordings[key] = rec
         rec.mode = mode
+        rec.options = self.options
         self.last = rec
         rec.define(client, mode)
         if rec.guards:  # its ops have run (eagerly): the recording serves the next calls
@@ -313,7 +315,8 @@ class _Compiled:
 BACKENDS = ("program", "messages", "inductor")
 
 
-def compile(fn=None, *, verify: bool = False, backend: str = "program", cuda_graph: bool | None = None):
+def compile(fn=None, *, verify: bool = False, backend: str = "program", cuda_graph: bool | None = None,
+            options: dict | None = None):
     """Compile ``fn`` into a worker-side recording: ``@tdmesh.compile`` or ``@tdmesh.compile(verify=True)``.
 
     ``backend="program"`` (the default) runs each call on a worker as one generated function
@@ -327,7 +330,34 @@ def compile(fn=None, *, verify: bool = False, backend: str = "program", cuda_gra
     its second call where the recording qualifies (``tdmesh.programs.capture`` says when) and warns
     once where it does not; True raises instead; False never captures.  A function that reads
     values on the host (``.item()``, ``bool()``) runs as parts between its reads, each read checked
-    at every call (the module docstring says how); ``verify=True`` checks recordings without reads."""
+    at every call (the module docstring says how); ``verify=True`` checks recordings without reads.
+    ``options`` (``backend="inductor"``): inductor's config options for the workers' compiles, as
+    ``torch.compile(options=)`` takes them (``torch._inductor.list_options()`` names them;
+    ``torch._inductor.list_mode_options("max-autotune-no-cudagraphs")`` is that mode's)."""
     if fn is None:
-        return lambda f: _Compiled(f, verify, backend, cuda_graph)
-    return _Compiled(fn, verify, backend, cuda_graph)
+        return lambda f: _Compiled(f, verify, backend, cuda_graph, options)
+    return _Compiled(fn, verify, backend, cuda_graph, options)
+
+
+def inductor_options(backend: str, options: dict | None) -> tuple:
+    """``options`` checked on the client, as ``torch.compile`` checks them (names, value types), so that a
+    misspelt one raises here, not on every worker at its first compile: sorted (name, value) pairs."""
+    if not options:
+        return ()
+    if backend != "inductor":
+        raise ValueError(f"tdmesh.compile: options= are inductor's config options; backend={backend!r} has none "
+                         f"(use backend='inductor')")
+    from torch._inductor import config
+    known = config.get_config_copy()
+    for name, value in options.items():
+        if name not in known:
+            raise ValueError(f"tdmesh.compile: unknown inductor option {name!r}; torch._inductor.list_options() "
+                             f"names them")
+        if name == "triton.cudagraphs" and value:
+            raise ValueError("tdmesh.compile: inductor's own CUDA graphs ('triton.cudagraphs') would capture each "
+                             "graph apart; tdmesh captures the whole step: use cuda_graph= (on by default on CUDA)")
+        expected = type(known[name])
+        if known[name] is not None and not isinstance(value, expected):
+            raise ValueError(f"tdmesh.compile: inductor option {name!r} takes a {expected.__name__}, "
+                             f"not {type(value).__name__}")
+    return tuple(sorted(options.items()))

@@ -37,6 +37,7 @@ class Recording:
         self.messages = recorder.messages
         self.verified = False
         self.mode = "program"
+        self.options: tuple = ()  # inductor's options (tdmesh.compile(options=)), sent with the definition
         self.replays = 0
         self.formals = [t.ref for t in inputs]
         self.first_ref = recorder.first_ref  # refs from here on were made by the trace
@@ -169,13 +170,14 @@ class Recording:
     def define(self, client, mode: str) -> None:
         self.client = client
         if self.segments is None:
-            _define(client, self.id, self.messages, self.ranks, self.formals, self.results, mode)
+            _define(client, self.id, self.messages, self.ranks, self.formals, self.results, mode, self.options)
             return
         modes = self.segment_modes or [mode] * len(self.segments)
         for seg, seg_mode in zip(self.segments, modes):  # a guarded recording: a recording per segment with ops
             if seg.messages:
                 seg.id = next(_recording_ids)
-                _define(client, seg.id, seg.messages, seg.ranks, seg.formals, seg.new + list(seg.kept), seg_mode)
+                _define(client, seg.id, seg.messages, seg.ranks, seg.formals, seg.new + list(seg.kept), seg_mode,
+                        self.options)
 
     def call(self, mesh, inputs: list, traced: Recording | None = None) -> None:
         """Run the recording for a call that was just traced: its results are the traced refs."""
@@ -254,7 +256,8 @@ class Recording:
         return tree_unflatten([proxies[v] if is_new else v for is_new, v in slots], self.out_spec)
 
 
-def _define(client, recording: int, messages: list, ranks: list, formals: list, results: list, mode: str) -> None:
+def _define(client, recording: int, messages: list, ranks: list, formals: list, results: list, mode: str,
+            options: tuple = ()) -> None:
     """Define ``messages`` on the workers as recording ``recording``: ranks that run the same
     messages get one definition (most recordings: every rank), in chunks."""
     sets = {id(r): frozenset(r) for r, *_ in messages}
@@ -268,4 +271,4 @@ def _define(client, recording: int, messages: list, ranks: list, formals: list, 
         chunks = [commands[i:i + step] for i in range(0, len(commands), step)] or [()]
         for index, chunk in enumerate(chunks):
             client.send_setup(m.DefineRecording(recording, chunk, tuple(formals), tuple(results), index, len(chunks),
-                                                mode), ranks=tuple(group))
+                                                mode, options), ranks=tuple(group))

@@ -159,6 +159,7 @@ class DefineRecording(NamedTuple):
     chunk: int
     total: int
     mode: str = "program"  # "messages" | "program" | "inductor", "[inductor+]cuda_graph[_required]": programs.capture
+    options: tuple = ()  # backend="inductor": inductor config options for its graphs, (name, value) pairs
 
 
 class CallRecording(NamedTuple):

@@ -122,6 +122,9 @@ OPT_DEPENDENT_ERROR = Kind("None or a DependentError",
                            lambda v: v is None or (type(v) is m.DependentError and type(v.seq) is int))
 COMMANDS = Kind(f"a tuple of at most {m.MAX_COMMANDS_PER_CHUNK} well-formed client->worker messages",
                 lambda v: type(v) is tuple and len(v) <= m.MAX_COMMANDS_PER_CHUNK and all(_well_formed(x) for x in v))
+OPTIONS = Kind(f"a tuple of at most {MAX_ITEMS} (name: str, value) pairs",
+               lambda v: type(v) is tuple and _sized(v) and all(type(x) is tuple and len(x) == 2 and type(x[0]) is str
+                                                                 for x in v))
 HELLOS = Kind(f"a tuple of at most {MAX_ITEMS} well-formed Hellos",
               lambda v: type(v) is tuple and _sized(v) and all(type(h) is m.Hello and _problem(h) is None for h in v))
 
@@ -140,7 +143,7 @@ CLIENT_SCHEMA: dict[type, dict[str, Kind]] = {
     m.CreateGroups: dict(kind=TEXT, stream=INT, mesh=ANY, dims=TUPLE, ref=OPT_INT, to_stream=OPT_INT, id=INT),
     m.DropGroups: dict(ref=INT),
     m.DefineRecording: dict(recording=INT, commands=COMMANDS, formals=INTS, results=INTS, chunk=INT, total=INT,
-                            mode=TEXT),
+                            mode=TEXT, options=OPTIONS),
     m.CallRecording: dict(seq=INT, recording=INT, actuals=INTS, results=INTS),
     m.BorrowCreate: dict(result=INT, borrow=INT, tensor=INT, from_stream=INT, to_stream=INT),
     m.BorrowFirstUse: dict(borrow=INT),

@@ -123,30 +123,32 @@ class CompiledGraph:
     example inputs, under the host-wide lock (see the module docstring); a call returns the
     graph's outputs as a tuple."""
 
-    def __init__(self, module: torch.fx.GraphModule) -> None:
+    def __init__(self, module: torch.fx.GraphModule, options: dict | None = None) -> None:
         self.module = module
+        self.options = options or {}
         self.compiled: Callable[..., Any] | None = None
 
     def __call__(self, *args):
         compiled = self.compiled
         if compiled is None:
-            compiled = self.compiled = _compile_once_per_host(self.module, args)
+            compiled = self.compiled = _compile_once_per_host(self.module, args, self.options)
         return compiled(*args)
 
 
-def _compile_once_per_host(module: torch.fx.GraphModule, args: tuple) -> Callable[..., Any]:
+def _compile_once_per_host(module: torch.fx.GraphModule, args: tuple, options: dict) -> Callable[..., Any]:
     """Inductor's compile of ``module`` for ``args``, in a tracing context whose fake mode has a
     shape environment, as dynamo's has: without one, inductor's FX graph cache and AOTAutograd's
     are bypassed ("No shape env") and every rank would compile every graph itself.  The example
     inputs are that mode's fakes of ``args`` with static shapes (a recording's shapes never change:
     the client records a call with other shapes anew); real tensors there would be given symbolic
-    sizes, and the kernels would take every size as an argument."""
+    sizes, and the kernels would take every size as an argument.  ``options``: inductor's config for this
+    compile (``config_patches``: ``tdmesh.compile(options=)``)."""
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     shapes = "".join(f"{tuple(a.shape)}{a.dtype}{a.device}" if isinstance(a, torch.Tensor) else repr(a) for a in args)
-    key = hashlib.sha256((module.code + shapes).encode()).hexdigest()[:20]
+    key = hashlib.sha256((module.code + shapes + repr(sorted(options.items()))).encode()).hexdigest()[:20]
     path = os.path.join(tempfile.gettempdir(), f"tdmesh-inductor-{key}.lock")
     with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -154,6 +156,6 @@ def _compile_once_per_host(module: torch.fx.GraphModule, args: tuple) -> Callabl
             fake = FakeTensorMode(shape_env=ShapeEnv())
             with tracing(TracingContext(fake)):
                 examples = [fake.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-                return compile_fx(module, examples)  # type: ignore[return-value]  # a module in: a callable out
+                return compile_fx(module, examples, config_patches=options or None)  # type: ignore[return-value]
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

@@ -74,6 +74,7 @@ class Program:
         self.interp = interp
         self.inductor = inductor
         self.mode = "inductor" if inductor else "program"
+        self.options: dict = getattr(rec, "options", {})  # inductor's config options (tdmesh.compile(options=))
         streams = {s for s in (_stream_of(c) for c in rec.commands) if s is not None}
         if len(streams) != 1:
             raise Unsupported(f"the recording uses {len(streams)} streams")
@@ -200,7 +201,8 @@ class Program:
         end = graph.steps[-1]
         outputs = [r for r in dict.fromkeys(graph.defined) if last_read.get(r, -1) > end or r in needed]
         self._internal.update(r for r in graph.defined if r not in outputs)
-        call = f"{self._const(CompiledGraph(graph.finish(outputs)))}({''.join(n + ', ' for n in graph.input_names)})"
+        compiled = self._const(CompiledGraph(graph.finish(outputs), self.options))
+        call = f"{compiled}({''.join(n + ', ' for n in graph.input_names)})"
         if not outputs:
             return [call]
         names = [self._define(r) for r in outputs]

@@ -34,6 +34,7 @@ class Recording:
         self.next_index = 0
         self.defined: list[int] = []  # refs the commands define, once complete
         self.mode = first.mode
+        self.options = dict(first.options)  # inductor's config options for its graphs (backend="inductor")
         self.program: Program | GraphedProgram | None = None  # made at the first call (its ops are defined by then)
         self.unsupported: str | None = None  # why it replays message by message instead
 

@@ -199,3 +199,27 @@ def test_a_local_tensor_shipped_inside_is_a_fresh_copy_every_call(mesh1):
     for i, (a, b) in enumerate(got):
         assert torch.equal(b, torch.tensor([1.0 + i, 2.0 + i]))
         assert torch.equal(a, torch.tensor([1.0 + i, 2.0 + i, 10.0]))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU kernels need a C++ compiler")
+def test_inductor_options_reach_the_workers_compile(mesh1, tmp_path):
+    """``options=`` are inductor's config for the workers' compiles, as torch.compile takes them: here its
+    trace, which the worker's compile writes (the generated code among it) where the option says."""
+    with mesh1.activate():
+        @tdmesh.compile(backend="inductor", options={"trace.enabled": True, "trace.debug_dir": str(tmp_path),
+                                                     "fx_graph_cache": False})  # a cache hit writes no trace
+        def fn(x):
+            return (x * 3 + 1).sin()
+
+        @tdmesh.compile(backend="inductor")
+        def plain(x):
+            return (x * 5 + 1).cos()
+
+        x = torch.arange(4.0)
+        out, other = fn(x), plain(x)
+        assert torch.allclose(fetch_shard(out).result(), (x * 3 + 1).sin())
+        assert torch.allclose(fetch_shard(other).result(), (x * 5 + 1).cos())
+    written = [p for p in tmp_path.rglob("output_code.py")]
+    assert len(written) == 1, list(tmp_path.rglob("*"))  # fn's graph; plain's compile kept inductor's defaults
+    assert "sin" in written[0].read_text()

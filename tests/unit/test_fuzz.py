@@ -55,7 +55,7 @@ ACCEPTED_TYPES = {
     schema.OPT_SLICE: {Slice, None}, schema.FACTORY: {tuple}, schema.FACTORIES: {tuple},
     schema.PROCESS_GROUPS: {tuple}, schema.OPT_BYTES: {bytes, None}, schema.COMMANDS: {tuple}, schema.HELLOS: {tuple},
     schema.OPT_DEPENDENT_ERROR: {m.DependentError, None}, schema.NONCE: {bytes}, schema.FETCHED: {bytes, tuple, None},
-    schema.EXPECTED: {tuple},
+    schema.EXPECTED: {tuple}, schema.OPTIONS: {tuple},
 }
 
 # values of many types: a field replaced by one whose type its kind does not accept must be refused
