@@ -21,6 +21,7 @@ it (``tdmesh.protocol.graph_digest``).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -100,24 +101,11 @@ Tensor.register_hook = _register_hook  # type: ignore[method-assign]
 Tensor.retain_grad = _retain_grad  # type: ignore[method-assign]
 
 
+@functools.lru_cache(maxsize=4096)  # asked of every leaf at every backward: kept by metadata (a model's share few)
 def _dense(meta: TensorMeta) -> bool:
     """Non-overlapping and dense (contiguous up to a permutation of its dims: channels-last, say):
     ``AccumulateGrad`` gives such a leaf's new gradient the leaf's strides, as the workers' copy
-    does (``worker/backward.py: _laid_out_as``), so the client knows its metadata.  Asked of every
-    leaf at every backward: the answer is kept by metadata (a model's parameters share few)."""
-    known = _DENSE.get(meta)
-    if known is None:
-        if len(_DENSE) >= _DENSE_KEPT:
-            _DENSE.clear()
-        known = _DENSE[meta] = _laid_out_densely(meta)
-    return known
-
-
-_DENSE: dict[TensorMeta, bool] = {}
-_DENSE_KEPT = 4096
-
-
-def _laid_out_densely(meta: TensorMeta) -> bool:
+    does (``worker/backward.py: _laid_out_as``), so the client knows its metadata."""
     expected = 1
     for size, stride in sorted(((n, s) for n, s in zip(meta.size, meta.stride) if n != 1), key=lambda d: d[1]):
         if stride != expected:

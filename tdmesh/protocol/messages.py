@@ -149,9 +149,8 @@ MAX_COMMANDS_PER_CHUNK = 1000  # messages of one DefineRecording: a recording of
 
 
 class DefineRecording(NamedTuple):
-    """One chunk (``chunk`` of ``total``) of a compiled function's messages for these ranks.
-    ``formals`` and ``results`` are the refs the recorded messages use for the inputs and
-    outputs; every other ref they define is a temporary of one call."""
+    """One chunk (``chunk`` of ``total``) of a compiled function's messages for these ranks.  ``formals`` and
+    ``results`` are the refs they use for the inputs and outputs; every other ref is a temporary of one call."""
     recording: int
     commands: tuple
     formals: tuple[int, ...]
