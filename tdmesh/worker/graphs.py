@@ -152,6 +152,9 @@ class GraphedProgram:
         results = tuple(("out", j) for j in range(program.result_count))
         scratch.update(zip(formals, self.static_inputs))
         graph = torch.cuda.CUDAGraph()
+        # in the program's grad mode (Program.call): an eager op on this stream since its last call may have turned
+        # it on, and an optimizer's in-place writes to parameters inside an inductor graph then refuse to run
+        torch._C._set_grad_enabled(False)
         # thread_local: the worker's other streams (threads) may launch work while this one captures
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             program.run(scratch, formals, results)

@@ -39,11 +39,15 @@ def gpu_mesh():
         patch.undo()
 
 
-def _train(mesh, steps: int, cuda_graph, backend: str = "program") -> tuple[list[float], dict]:
+def _train(mesh, steps: int, cuda_graph, backend: str = "program", foreach: bool = False,
+           eager_between: bool = False) -> tuple[list[float], dict]:
+    """``foreach``: AdamW as torch's multi-tensor ops (capturable), which inductor compiles with the step;
+    ``eager_between``: an eager op before each call (as a batch made on the workers), in grad mode."""
     with mesh.activate():
         tdmesh.random.set_manual_seed_remote(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **({"foreach": True, "capturable": True} if foreach
+                                                                 else {"fused": True}))
         xs = [torch.randn(16, 32) for _ in range(steps)]
         batches = [(x, x[:, :10].argmax(1)) for x in xs]  # a rule it can learn
 
@@ -52,7 +56,7 @@ def _train(mesh, steps: int, cuda_graph, backend: str = "program") -> tuple[list
         for x, y in batches[:2]:
             step(x, y)
         run = step if cuda_graph is None else tdmesh.compile(step, backend=backend, cuda_graph=cuda_graph)
-        losses = [fetch_shard(run(x, y)).result() for x, y in batches[2:]]
+        losses = [fetch_shard(run(x * 1.0 if eager_between else x, y)).result() for x, y in batches[2:]]
         modes = tdmesh.call_on_shard_and_fetch(recording_modes).result()
     return [float(v) for v in losses], modes
 
@@ -75,6 +79,17 @@ def test_inductor_programs_alone_and_inside_a_cuda_graph_train_like_eager(gpu_me
     assert list(modes.values())[-1] == "inductor+cuda_graph"
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-5)  # fused kernels round differently
     torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_an_optimizer_inside_an_inductor_graph_is_captured_after_eager_ops_in_grad_mode(gpu_mesh):
+    """foreach AdamW's in-place writes to the parameters are ops of the inductor graph.  An eager op between
+    two calls turns the worker's grad mode on; the capture runs in the program's (off), or those writes to
+    leaves that require grad refuse to run (found by bench.train_step --optimizer foreach at GPT-2 width)."""
+    eager, _ = _train(gpu_mesh, 22, None, foreach=True, eager_between=True)
+    graphed, modes = _train(gpu_mesh, 22, True, backend="inductor", foreach=True, eager_between=True)
+    assert list(modes.values())[-1] == "inductor+cuda_graph"
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
+    assert eager[-1] < eager[0]
 
 
 def test_results_are_fresh_tensors_and_inputs_are_read_each_call(gpu_mesh):
