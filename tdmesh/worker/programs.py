@@ -74,7 +74,7 @@ class Program:
         self.interp = interp
         self.inductor = inductor
         self.mode = "inductor" if inductor else "program"
-        self.options: dict = getattr(rec, "options", {})  # inductor's config options (tdmesh.compile(options=))
+        self.options: dict = rec.options  # inductor's config options (tdmesh.compile(options=))
         streams = {s for s in (_stream_of(c) for c in rec.commands) if s is not None}
         if len(streams) != 1:
             raise Unsupported(f"the recording uses {len(streams)} streams")
