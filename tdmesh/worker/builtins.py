@@ -186,6 +186,15 @@ def recording_modes() -> dict:
     return interp.recordings.modes()
 
 
+def recording_graphs() -> dict:
+    """Per recording this worker runs with ``backend="inductor"``: how many graphs inductor compiled
+    of it (``graphs``), and the aten ops that run between them, by name and count (``outside``): an op
+    inductor cannot take (a fused optimizer kernel, an op that returns a Python value) splits the step."""
+    from .interpreter import Interpreter
+    interp = Interpreter.current
+    return {} if interp is None else interp.recordings.graphs()
+
+
 def set_log_level(logger: str, level: int) -> None:
     """``tdmesh.set_log_level``: ``logger`` ("tdmesh": tdmesh's own; "": the root) logs at ``level``."""
     target = logging.getLogger(logger or None)

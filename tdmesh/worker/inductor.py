@@ -46,10 +46,9 @@ def graphable(op: DefinedOp, results: int) -> bool:
         return False
     if fn.namespace not in ("aten", "prims"):
         return False
-    returns = fn._schema.returns
-    kinds = [str(r.type) for r in returns]
-    if kinds == ["List[Tensor]"]:
-        pass  # a list of tensors: one result each
+    kinds = [str(r.type) for r in fn._schema.returns]
+    if kinds == ["List[Tensor]"] or (not kinds and results <= 1):
+        pass  # a list of tensors: one result each; or none (an in-place multi-tensor op: its plan's one None)
     elif any(k != "Tensor" for k in kinds) or len(kinds) != results:
         return False
     return not _holds_tensor((op.args, op.kwargs))
@@ -93,7 +92,10 @@ class GraphBuilder:
         assert isinstance(fn, torch._ops.OpOverload)  # graphable() said so
         node = self.graph.call_function(fn, value(op.args), value(op.kwargs))
         self.steps.append(index)
-        if len(results) == 1 and [str(r.type) for r in fn._schema.returns] == ["Tensor"]:
+        returns = fn._schema.returns
+        if not returns:  # an in-place multi-tensor op (``_foreach_mul_``): its writes are the graph's mutations
+            return
+        if len(results) == 1 and str(returns[0].type) == "Tensor" and len(returns) == 1:
             self._bind(results[0], node)
             return
         for i, ref in enumerate(results):

@@ -75,6 +75,8 @@ class Program:
         self.inductor = inductor
         self.mode = "inductor" if inductor else "program"
         self.options: dict = rec.options  # inductor's config options (tdmesh.compile(options=))
+        self.graphs = 0  # (inductor) its graphs, and the aten ops left between them: what inductor did not fuse
+        self.outside: dict[str, int] = {}
         streams = {s for s in (_stream_of(c) for c in rec.commands) if s is not None}
         if len(streams) != 1:
             raise Unsupported(f"the recording uses {len(streams)} streams")
@@ -114,6 +116,8 @@ class Program:
                     graph.add(index, op, c[4], c[2])
                     self.mutated.extend(c[3])
                     continue
+                if op is not None and op.fn is not None:
+                    self.outside[str(op.fn)] = self.outside.get(str(op.fn), 0) + 1
                 if type(c) is m.DeleteRefs and graph is not None:
                     held.extend(self._delete(c.refs, pending=graph.nodes))
                     continue
@@ -202,6 +206,7 @@ class Program:
         outputs = [r for r in dict.fromkeys(graph.defined) if last_read.get(r, -1) > end or r in needed]
         self._internal.update(r for r in graph.defined if r not in outputs)
         compiled = self._const(CompiledGraph(graph.finish(outputs), self.options))
+        self.graphs += 1
         call = f"{compiled}({''.join(n + ', ' for n in graph.input_names)})"
         if not outputs:
             return [call]

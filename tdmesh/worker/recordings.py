@@ -118,6 +118,15 @@ class Recordings:
                 else f"messages: {rec.unsupported}"
                 for rid, rec in self._recordings.items() if rec.program is not None or rec.unsupported}
 
+    def graphs(self) -> dict[int, dict]:
+        """Per called recording run with inductor: its graphs, and the aten ops it runs between them."""
+        found = {}
+        for rid, rec in self._recordings.items():
+            program = rec.program.program if isinstance(rec.program, GraphedProgram) else rec.program
+            if isinstance(program, Program) and program.inductor:
+                found[rid] = {"graphs": program.graphs, "outside": dict(program.outside)}
+        return found
+
     def expand(self, call: m.CallRecording) -> tuple[list, list[int], dict[int, int]]:
         """The messages of one call with their refs renamed, the temporaries to delete, and the
         renaming (recorded ref -> the call's ref)."""

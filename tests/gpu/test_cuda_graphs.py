@@ -23,6 +23,7 @@ from tdmesh.worker.values import Poison
 
 pytestmark = pytest.mark.gpu
 recording_modes = remote("tdmesh.worker.builtins.recording_modes")
+recording_graphs = remote("tdmesh.worker.builtins.recording_graphs")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,9 @@ def test_an_optimizer_inside_an_inductor_graph_is_captured_after_eager_ops_in_gr
     eager, _ = _train(gpu_mesh, 22, None, foreach=True, eager_between=True)
     graphed, modes = _train(gpu_mesh, 22, True, backend="inductor", foreach=True, eager_between=True)
     assert list(modes.values())[-1] == "inductor+cuda_graph"
+    with gpu_mesh.activate():
+        graphs = list(tdmesh.call_on_shard_and_fetch(recording_graphs).result().values())[-1]
+    assert not [op for op in graphs["outside"] if "_foreach_" in op], graphs  # AdamW's ops are inductor's
     torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
     assert eager[-1] < eager[0]
 
