@@ -40,7 +40,9 @@ __all__ = ["graphable", "GraphBuilder", "CompiledGraph"]
 def graphable(op: DefinedOp, results: int) -> bool:
     """Whether a CallOp of ``op`` with ``results`` result refs can be a node of an inductor graph:
     an aten op (not a fused optimizer kernel: functionalizing its writes to the parameters fails
-    inside torch 2.11-2.13) whose results are exactly its tensors, with no tensor among its constants."""
+    inside torch 2.11-2.13) whose results are exactly its tensors, or that returns nothing (the in-place
+    ``_foreach_*_`` ops of torch's multi-tensor optimizers: inductor functionalizes their writes and fuses
+    them, where aten ran each as its own kernel between the graphs), with no tensor among its constants."""
     fn = op.fn
     if not isinstance(fn, torch._ops.OpOverload) or fn._schema.name.startswith("aten::_fused_"):
         return False
