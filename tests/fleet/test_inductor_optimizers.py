@@ -88,3 +88,33 @@ def test_a_multi_tensor_optimizer_runs_inside_the_inductor_graphs(mesh1, setup):
     with mesh1.activate():
         graphs = tdmesh.call_on_shard_and_fetch(recording_graphs).result()[fn.recording_id]
     assert graphs["graphs"] >= 1 and not [op for op in graphs["outside"] if "_foreach_" in op], (setup, graphs)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU kernels need a C++ compiler")
+def test_in_place_multi_tensor_ops_write_the_callers_tensors_captures_and_views_as_eager_does(mesh1):
+    """The user's own ``_foreach_*_`` calls in a compiled function: on its arguments (the caller sees them
+    written), on tensors it captures, and on a view of an argument written before; four calls each."""
+    def run(compiled: bool):
+        with mesh1.activate():
+            args = [torch.arange(4.0) + i for i in range(3)]
+            captured = [torch.ones(2, 2) * i for i in range(3)]
+
+            def body(a, x):
+                torch._foreach_mul_(a, 2.0)
+                torch._foreach_add_(captured, a[0][:2].sum(), alpha=0.5)  # a tensor operand: no host read
+                v = a[1][1:3]
+                torch._foreach_addcmul_([v], [v], [v], value=0.5)
+                return x + v.sum()
+
+            fn = tdmesh.compile(body, backend="inductor") if compiled else body
+            outs = [fn(args, torch.ones(1)) for _ in range(4)]
+            values = fetch_shard([args, captured, outs]).result()
+            graphs = tdmesh.call_on_shard_and_fetch(recording_graphs).result()[fn.recording_id] if compiled else None
+            return values, graphs
+
+    eager, _ = run(False)
+    compiled, graphs = run(True)
+    assert _close(eager, compiled), (eager, compiled)
+    assert graphs == {"graphs": 1, "outside": {}}, graphs
+
