@@ -4,7 +4,8 @@ graphs: torch's multi-tensor optimizers write the parameters and their state wit
 own kernels, each one splitting the step (on an H100 the GPT-2 step's foreach AdamW took twice the
 fused kernel's time).  Hypothesis draws the optimizer, its flags and the model; the compiled
 steps must give eager's parameters and optimizer state (inductor's kernels round differently:
-close, not equal), and no ``_foreach_`` op may run outside the worker's graphs."""
+close, not equal), and no ``_foreach_`` op may run outside the worker's graphs.  A second test writes
+a compiled function's arguments, captured tensors and a view in place with the user's own calls."""
 
 from __future__ import annotations
 
