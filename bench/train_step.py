@@ -273,9 +273,9 @@ def main(argv=None) -> None:
                     "tdmesh.worker.builtins.recording_modes")).result().values())[-1]
                 if backend == "inductor":  # how many graphs inductor made of the step, and what ran between them
                     graphs = tdmesh.call_on_shard_and_fetch(tdmesh.remote(
-                        "tdmesh.worker.builtins.recording_graphs")).result()[fn.recording_id]
-                    modes[label, backend] += (f"; {graphs['graphs']} inductor graph(s), between them: "
-                                              f"{graphs['outside'] or 'nothing'}")
+                        "tdmesh.worker.builtins.recording_graphs")).result().get(fn.recording_id)
+                    modes[label, backend] += "; not an inductor program" if graphs is None else (
+                        f"; {graphs['graphs']} inductor graph(s), between them: {graphs['outside'] or 'nothing'}")
     print(f"\ntrain step, {args.size} GPT, {args.dtype}, {args.workers} {args.device} workers, "
           f"batch {args.batch_size}/worker, zero_grad(set_to_none={not args.keep_grads}), "
           f"{'clip_grad_norm_(error_if_nonfinite=True), ' if args.clip else ''}"
