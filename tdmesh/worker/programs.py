@@ -117,7 +117,8 @@ class Program:
                     self.mutated.extend(c[3])
                     continue
                 if op is not None and op.fn is not None:
-                    self.outside[str(op.fn)] = self.outside.get(str(op.fn), 0) + 1
+                    name = str(op.fn)
+                    self.outside[name] = self.outside.get(name, 0) + 1
                 if type(c) is m.DeleteRefs and graph is not None:
                     held.extend(self._delete(c.refs, pending=graph.nodes))
                     continue
