@@ -15,6 +15,9 @@ warms up, each its median over the rounds:
   tdmesh          the step under ``mesh.activate()``: wall time per step, and the client's own
                   time to issue it, by phase (the rest of the wall time is the client waiting
                   for the workers at the run's end)
+  decomposed      the client's issue time (and its forward's) with each ``nn.Linear`` issued as torch's
+                  decomposition, op by op (``TDMESH_WHOLE_LINEAR=off``), in the same rounds: against the
+                  default, one op a linear (``tdmesh/engine/composites.py``)
   workers alone   the same steps issued while the worker's stream is held by a remote
                   ``time.sleep``: the worker then runs them back to back with no wait for the
                   client, so its time is the step's bound from the workers' side (the
@@ -123,9 +126,11 @@ def main(argv=None) -> int:
         step = _phased_step(model, opt, mesh, bf16, phases)
         client = mesh.client
 
-        def run_tdmesh(hold: float = 0.0):
+        def run_tdmesh(hold: float = 0.0, whole: bool = True):
             """(wall seconds, the client's issue seconds, messages) for the run's ``n`` steps; the local
-            runs between them run with no mesh active."""
+            runs between them run with no mesh active.  ``whole=False``: each ``nn.Linear`` as torch's
+            decomposition, op by op (``TDMESH_WHOLE_LINEAR=off``, read at the activation)."""
+            os.environ["TDMESH_WHOLE_LINEAR"] = "on" if whole else "off"
             with mesh.activate():
                 tdmesh.fetch_shard(batches[-1][0]).result()
                 first = client.last_seq
@@ -148,7 +153,9 @@ def main(argv=None) -> int:
         alone_s: list = []
         phase_s: dict = {name: [] for name in PHASES}
         local_phase_s: dict = {name: [] for name in PHASES}
-        messages = 0
+        messages = decomposed_messages = 0
+        decomposed_s: list = []
+        decomposed_forward_s: list = []
         for round_ in range(args.rounds + 1):
             for name in PHASES:
                 phases[name] = local_phases[name] = 0.0
@@ -160,6 +167,9 @@ def main(argv=None) -> int:
                 phases[name] = 0.0
             wall, issued, messages = run_tdmesh()
             phases_now = dict(phases)
+            phases["forward"] = 0.0
+            _, decomposed, decomposed_messages = run_tdmesh(whole=False)
+            decomposed_forward = phases["forward"]
             alone_wall, alone_issued, _ = run_tdmesh(hold)
             if alone_issued >= hold:
                 print(f"note: the client issued the held run in {alone_issued:.3f} s, past the {hold:.3f} s hold: "
@@ -168,6 +178,8 @@ def main(argv=None) -> int:
                 local_s.append(local / n)
                 wall_s.append(wall / n)
                 issue_s_.append(issued / n)
+                decomposed_s.append(decomposed / n)
+                decomposed_forward_s.append(decomposed_forward / n)
                 alone_s.append((alone_wall - hold) / n)
                 for name in PHASES:
                     phase_s[name].append(phases_now[name] / n)
@@ -176,13 +188,18 @@ def main(argv=None) -> int:
     med = statistics.median
     local, wall = med(local_s), med(wall_s)
     print(f"eager bound: {args.size} GPT ({args.dtype}, batch {args.batch_size}), 1 {args.device} worker, {n} steps "
-          f"a run, median of {args.rounds} rounds; {messages / n:.0f} messages a step; torch {torch.__version__}; "
+          f"a run, median of {args.rounds} rounds; {messages / n:.0f} messages a step ({decomposed_messages / n:.0f} "
+          f"with each nn.Linear decomposed); torch {torch.__version__}; "
           f"{h.machine_line()}")
     rows = [["local eager (this process)", f"{local * 1e3:.2f}", "1.000x"],
             ["tdmesh step (wall)", f"{wall * 1e3:.2f}", f"{local / wall:.3f}x"],
             ["  the client issues it in", f"{med(issue_s_) * 1e3:.2f}", f"{local / med(issue_s_):.3f}x"],
             *[[f"    {name}", f"{med(phase_s[name]) * 1e3:.2f}",
                f"local's {med(local_phase_s[name]) * 1e3:.2f} ms"] for name in PHASES],
+            ["  each nn.Linear decomposed (TDMESH_WHOLE_LINEAR=off)", f"{med(decomposed_s) * 1e3:.2f}",
+             f"whole: {med(decomposed_s) / med(issue_s_):.3f}x faster"],
+            ["    forward", f"{med(decomposed_forward_s) * 1e3:.2f}",
+             f"whole: {med(decomposed_forward_s) / med(phase_s['forward']):.3f}x faster"],
             ["workers alone (stream held, then run back to back)", f"{med(alone_s) * 1e3:.2f}",
              f"{local / med(alone_s):.3f}x"]]
     h.print_table(["per step", "ms", "local eager / this"], rows)

@@ -41,6 +41,10 @@ VARIABLES = {
                                 "the graph allows it (else on the client's engine, one message per backward op: "
                                 "tdmesh/engine/backward.py says when); 'client' always on the client's engine (read "
                                 "when a mesh is activated and at each backward)"),
+    "TDMESH_WHOLE_LINEAR": ("on", "'on' issues F.linear (every nn.Linear) on mesh tensors as one op, whose workers "
+                                  "run torch's decomposition of it (tdmesh/engine/composites.py says where); 'off' "
+                                  "issues that decomposition op by op, as torch dispatches it (read when a mesh is "
+                                  "activated)"),
     "TDMESH_GC_THRESHOLD": ("5000", "the first threshold of Python's garbage collector while a mesh is live in the "
                                     "client (never lowered; the client's own is put back when its last mesh exits) "
                                     "and in workers, which also freeze what they hold when a session starts "

@@ -30,6 +30,8 @@ from ..errors import UsageError, backward_sites, call_site, note_engine_code, us
 from . import saved
 from .autograd_context import note_context
 from .backward import backward, mirror_requires_grad
+from .composites import SPECIAL as COMPOSITES
+from .composites import configure as configure_composites
 from .context import active_mesh, active_mesh_or_none
 from .dispatch import MESH_MODE, ship_local
 from .operators import install as install_operators
@@ -68,6 +70,7 @@ class Activation:
         if self._device_ctx is not None:
             self._device_ctx.__enter__()
         _patch_once()
+        configure_composites()
         # the dispatch mode is on this thread's stack while a mesh activation of this thread is in effect: pushed
         # by the first (on this thread: the stack is per thread), or by a mesh activated inside no_mesh; no_mesh
         # sets it and tdmesh's saved-tensor hooks aside (local ops run as plain torch; a mesh tensor's ops still
@@ -226,6 +229,7 @@ _SPECIAL = {torch.tensor: _ship, torch.as_tensor: _ship, torch.asarray: _ship,
             torch.Tensor.backward: _backward, torch.autograd.backward: _backward,
             torch.autograd.grad: _backward, vars(torch._C.TensorBase)["data"].__set__: _set_data}
 _SPECIAL.update(PACKED_SEQUENCE_CALLS)
+_SPECIAL.update(COMPOSITES)
 _SPECIAL.update(RANK_INDEXING)
 _engine = getattr(torch.autograd.graph, "_engine_run_backward", None)
 if _engine is not None:  # torch's one Python function that runs the engine (2.11 and 2.13 have it)

@@ -28,7 +28,7 @@ import torch
 
 from ..protocol import messages as m
 from ..protocol.graph_digest import digest, reachable
-from . import client_graphs, saved
+from . import client_graphs, composites, saved
 from .autograd_context import context_of_span, forward_context
 from .issue import New, issue
 from .propagation import TensorMeta
@@ -144,6 +144,7 @@ def _plan(roots: list, grad_roots: list):
         seqs: list[int] = []
         leaves: list = []
         order: list[int] = []  # each leaf's accumulator's number: made at the leaf's first use in the forward
+        expansions: list = []  # what each composite node stands for in the workers' graph
         for node in nodes:
             kind = type(node)
             if kind is _ACCUMULATE:
@@ -160,7 +161,11 @@ def _plan(roots: list, grad_roots: list):
                 return _client(f"{kind.__name__} makes a sparse gradient (sparse=True), whose size only the "
                                f"values decide: the client cannot describe it before the workers run it")
             if seq in _hooked or isinstance(node, torch.autograd.function.BackwardCFunction):
-                return _client(f"{kind.__name__} is a custom autograd.Function's or has hooks (or retain_grad)")
+                grown = getattr(node, "tdmesh_expansion", None)  # a composite issued whole (composites.py)
+                if grown is None or seq in _hooked or seq in composites.DIVERGED:
+                    return _client(f"{kind.__name__} is a custom autograd.Function's or has hooks (or retain_grad), "
+                                   f"or its output was written in place")
+                expansions.append(grown)
             entry = saved_by_node.get(seq)
             if entry is saved.RELEASED:
                 raise saved.freed_error()  # a second backward through it, as torch raises
@@ -168,7 +173,7 @@ def _plan(roots: list, grad_roots: list):
         if seqs and not _recorded_here(seqs, mesh, stream):
             return _client("a node was made on another mesh or stream, while a compiled function was traced, or under "
                            "the user's saved-tensor hooks (checkpoint)")
-    return mesh, stream, seqs, leaves, digest(nodes, edges), order
+    return mesh, stream, seqs, leaves, composites.grown(digest(nodes, edges), expansions), order
 
 
 def _makes_sparse_gradient(kind: type, node) -> bool:

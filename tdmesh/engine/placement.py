@@ -16,7 +16,7 @@ from ..errors import frames, site_text
 from .stream import Stream, get_active_stream
 from .tensor import Tensor, describe, raise_in_op
 
-__all__ = ["check_inputs", "plainly_placed", "check_mutation", "check_no_grad"]
+__all__ = ["check_inputs", "plainly_placed", "check_mutation", "check_no_grad", "note_written", "on_fused_write"]
 
 
 def check_inputs(remote: Sequence[Tensor], mesh, what, stream: Stream | None = None) -> None:
@@ -59,6 +59,8 @@ def plainly_placed(remote: Sequence[Tensor], mesh, stream: Stream) -> bool:
 def check_mutation(t: Tensor, what) -> None:
     """``t`` is about to be written: it must not be lent read-only, nor be a read-only borrow."""
     aliases = t._r.aliases
+    if aliases.fused is not None:
+        note_written(t)
     if aliases.copied_at is not None:
         raise_in_op("INDEXED_COPY", f"tensor {t._r.id} would be written by {what}, and it is x[i] of a per-rank "
                                     f"scalar i (made at {aliases.copied_at}): each rank's row is a copy, where local "
@@ -69,6 +71,18 @@ def check_mutation(t: Tensor, what) -> None:
     if aliases.borrow is not None and not aliases.borrow.mutable:
         raise_in_op("MUTATING_BORROW", f"tensor {t._r.id} is a read-only borrow (made at "
                                        f"{site_text(aliases.borrow.site)}) and would be mutated by {what}")
+
+
+def note_written(t: Tensor) -> None:
+    """``t`` is about to be written: where it shares storage with the output of a composite issued whole
+    that torch makes a view, ``engine/composites.py`` must know (registered in ``on_fused_write``)."""
+    aliases = t._r.aliases
+    if aliases.fused is not None:
+        for hook in on_fused_write:
+            hook(aliases)
+
+
+on_fused_write: list = []
 
 
 def check_no_grad(tensors: Sequence[Tensor], what: str) -> None:

@@ -49,7 +49,7 @@ class AliasSet:
     Held weakly, so a proxy's death is not delayed until the cycle collector runs.  Also the
     borrow state of that storage: read borrows of it, a mutable borrow of it, or the Borrow
     that lent it (when these refs are the borrowed side)."""
-    __slots__ = ("refs", "read_borrows", "mutable_borrow", "borrow", "copied_at")
+    __slots__ = ("refs", "read_borrows", "mutable_borrow", "borrow", "copied_at", "fused")
 
     def __init__(self) -> None:
         self.refs: dict[int, weakref.ref] = {}  # ref id -> weakref to its RefOwner (no cycle)
@@ -57,6 +57,8 @@ class AliasSet:
         self.mutable_borrow: Any = None
         self.borrow: Any = None
         self.copied_at: str | None = None  # the user's line of an index by a per-rank scalar (a copy, not a view)
+        # the node of a linear issued whole whose output this is, where torch's is a view (engine/composites.py)
+        self.fused: int | None = None
 
     def live(self) -> list[RefOwner]:
         """The live RefOwners of this storage."""

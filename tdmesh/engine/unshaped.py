@@ -14,6 +14,7 @@ from ..protocol import messages as m
 from .coalescing import check_not_coalescing
 from .host_reads import read_on_host
 from .issue import adopt, issue_unshaped
+from .placement import note_written
 from .propagation import SparseMeta, from_description, op_aliasing, schema_arg
 from .saved import workers_record
 from .stream import get_active_stream
@@ -42,6 +43,8 @@ def dispatch_unshaped(func, args, kwargs, remote, mesh, device, why: str):
                for t in _tensors_in(schema_arg(func, args, kwargs, position))]
     written = [schema_arg(func, args, kwargs, source) if is_write else None
                for source, is_write, _ in aliasing.return_aliases]  # in place: the result is the argument
+    for t in mutated:
+        note_written(t)
     stream = get_active_stream()
     path = op_path(func)
     grad = workers_record(mesh.client)
