@@ -46,7 +46,7 @@ _RUN = "tdmesh.worker.backward.run_backward"
 _DROP = "tdmesh.worker.backward.drop_graphs"
 _GRAD = "tdmesh.worker.backward.run_grad"
 _SET = "tdmesh.worker.backward.set_requires_grad"
-_ACCUMULATE = type(torch.ones(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+_ACCUMULATE = composites.ACCUMULATE  # autograd's node kind of a leaf's accumulator
 _hooked: dict[int, None] = {}  # sequence numbers of nodes whose tensors have hooks or retain_grad, oldest first
 _HOOKED_KEPT = 1 << 16  # the newest kept (a model that hooks a tensor every step adds one a step)
 _base_requires_grad = torch._C.TensorBase.requires_grad

@@ -49,7 +49,7 @@ from .saved import thread_hooks
 from .stream import get_active_stream
 from .tensor import Tensor
 
-__all__ = ["SPECIAL", "ON", "configure", "DIVERGED", "Expansion", "expansion", "grown", "COUNTS"]
+__all__ = ["SPECIAL", "ACCUMULATE", "ON", "configure", "DIVERGED", "Expansion", "expansion", "grown", "COUNTS"]
 
 _LINEAR = torch.ops.aten.linear.default
 ON = [True]            # issuing whole (configure); off for good after a write into a viewing output (module docstring)
@@ -62,7 +62,7 @@ _profiling, _inference = torch._C._autograd._profiler_enabled, torch.is_inferenc
 _dispatch_modes, _dispatch_mode_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
 _function_modes = torch._C._len_torch_function_stack
 _grad_enabled = torch._C.is_grad_enabled
-_ACCUMULATE = type(torch.ones(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
+ACCUMULATE = type(torch.ones(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
 
 
 class Expansion(NamedTuple):
@@ -89,10 +89,8 @@ def expansion(key: tuple, tensors: tuple, needs: tuple) -> Expansion | None:
     on the strides of length-one dims (``matmul``'s folding reads them), which only the workers' tensors
     settle: the client's metadata may describe such a stride otherwise, harmlessly for any op but this one
     (its digest would differ, and the workers refuse the backward); an input that is not contiguous, which
-    torch's ``reshape`` views with ``_reshape_alias`` on a device and ``view`` on meta tensors."""
-    found = _EXPANSIONS.get(key, False)
-    if found is not False:
-        return found
+    torch's ``reshape`` views with ``_reshape_alias`` on a device and ``view`` on meta tensors.  Kept in
+    ``_EXPANSIONS`` under ``key``, which the caller looks up first (every call of every ``nn.Linear``)."""
     shapes = {_shape_of(tensors, needs, stride_of_one) for stride_of_one in (None, "dense", "one")}
     result: Expansion | None = None
     if len(shapes) == 1 and meta_tensor(tensors[0]._meta).is_contiguous():
@@ -124,8 +122,8 @@ def _shape_of(tensors: tuple, needs: tuple, stride_of_one: str | None) -> tuple:
             args.append(metas[id(t)])
         out = _LINEAR(*args)
         nodes, edges = reachable([out.grad_fn])
-        inner = [n for n in nodes if type(n) is not _ACCUMULATE]
-        outer = sum(1 for n in inner for child, _ in n.next_functions if type(child) is _ACCUMULATE)
+        inner = [n for n in nodes if type(n) is not ACCUMULATE]
+        outer = sum(1 for n in inner for child, _ in n.next_functions if type(child) is ACCUMULATE)
         return tuple(sorted(_name_hash(type(n)) for n in inner)), edges, outer, out._is_view()
 
 
