@@ -32,13 +32,14 @@ from .autograd_context import note_context
 from .backward import backward, mirror_requires_grad
 from .composites import SPECIAL as COMPOSITES
 from .composites import configure as configure_composites
-from .context import active_mesh, active_mesh_or_none
+from .context import active_mesh, active_mesh_or_none, backward_calls
 from .dispatch import MESH_MODE, ship_local
 from .operators import install as install_operators
 from .optimizers import set_aside_for_torchs_optimizers
 from .packed_sequences import SPECIAL as PACKED_SEQUENCE_CALLS
 from .propagation import keep_dynamo_out
 from .rank_index import SPECIAL as RANK_INDEXING
+from .stream import get_active_stream
 from .tensor import Tensor
 from .unshaped import host_values
 
@@ -188,16 +189,20 @@ def _split_by_remote_indices(func, args, kwargs):
 
 def _with_backward_site(func, args, kwargs):
     """A backward call: its ops (run by autograd's engine, on this thread or its device thread)
-    have this call's site (see ``tdmesh.errors.backward_sites``)."""
+    have this call's site (see ``tdmesh.errors.backward_sites``), and its mesh and stream
+    (``tdmesh.engine.context.backward_calls``)."""
     entry = (threading.get_ident(), call_site())
     backward_sites.append(entry)
+    caller = (active_mesh_or_none(), get_active_stream())
+    backward_calls.append(caller)
     try:
         return func(*args, **kwargs)
     finally:
-        for i in range(len(backward_sites) - 1, -1, -1):
-            if backward_sites[i] is entry:
-                del backward_sites[i]
-                break
+        for entries, mine in ((backward_sites, entry), (backward_calls, caller)):
+            for i in range(len(entries) - 1, -1, -1):
+                if entries[i] is mine:
+                    del entries[i]
+                    break
 
 
 def _set_data(func, args, kwargs):

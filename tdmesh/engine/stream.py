@@ -11,6 +11,8 @@ import contextvars
 import itertools
 from collections.abc import Callable
 
+from .context import UNSET, backward_caller, backward_calls
+
 __all__ = ["Stream", "StreamActivation", "DEFAULT_STREAM", "get_active_stream"]
 
 _ids = itertools.count(1)
@@ -43,8 +45,13 @@ on_change: list[Callable[[], None]] = []
 
 
 def get_active_stream() -> Stream:
-    """The stream new work goes to (the default stream unless one is activated)."""
-    return _active_stream.get()
+    """The stream new work goes to (the default stream unless one is activated; on autograd's device
+    thread, that of the backward call it runs: ``context.backward_calls``)."""
+    stream = _active_stream.get(UNSET)
+    if stream is UNSET:
+        caller = backward_caller() if backward_calls else None
+        return DEFAULT_STREAM if caller is None else caller[1]
+    return stream
 
 
 class StreamActivation:

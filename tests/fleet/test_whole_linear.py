@@ -158,9 +158,6 @@ def _model_step(mesh, hooked: str, device: str = "cpu"):
 def test_client_engine_through_a_whole_linear(mesh1, monkeypatch, hooked):
     """Where the client's engine runs the backward, each linear's node recomputes torch's decomposition and
     differentiates it: gradients (and double backward's) are local torch's."""
-    if hooked == "create_graph" and mesh1.device_type == "cuda":
-        pytest.skip("known, with either setting: a double-backward formula's factory (ones([1])) runs on autograd's "
-                    "CUDA device thread, where no mesh is active, and makes a local CUDA tensor (LOCAL_TENSOR)")
     expected = _model_step(None, hooked, mesh1.device_type)
     for setting in ("on", "off"):
         monkeypatch.setenv("TDMESH_WHOLE_LINEAR", setting)

@@ -3,6 +3,7 @@
 Skipped without CUDA; run on a GPU host with `python -m pytest -q -m gpu tests/gpu/test_gpu.py`.
 """
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -363,3 +364,17 @@ def test_the_ops_autograds_device_thread_runs_name_the_backward_call(gpu_mesh, m
         got = tdmesh.fetch_shard(w.grad).result()
     assert len(sites) >= 3 and all(f"line {line}" in s and os.path.basename(__file__) in s for s in sites), sites
     assert torch.allclose(got.cpu(), 2 * torch.cos(torch.full((3,), 2.0)))
+
+
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_a_factory_on_autograds_device_thread_runs_on_the_backward_calls_mesh_and_stream(gpu_mesh, side_stream):
+    """A tensor hook (so the client's engine runs the backward, on autograd's CUDA device thread, whose
+    Python context has no mesh) makes a tensor with a factory: it is made on the mesh and stream of the
+    backward call, as on the calling thread for CPU tensors, and the gradient is local torch's."""
+    stream = tdmesh.Stream("side") if side_stream else None
+    with gpu_mesh.activate(), (stream.activate() if stream else contextlib.nullcontext()):
+        w = torch.full((3,), 2.0, requires_grad=True)
+        w.register_hook(lambda g: g + torch.ones(3))
+        (w * w).sum().backward()
+        got = tdmesh.fetch_shard(w.grad).result()
+    assert torch.equal(got.cpu(), torch.full((3,), 5.0))
