@@ -54,6 +54,10 @@ def detach_results(value):
     """A remote function's results as the workers bind them: tensors that carry gradient here
     are detached, as their proxies on the client carry none (only once leaves are mirrored:
     before, any graph here is the remote function's own)."""
+    if type(value) is tuple and all(type(v) is torch.Tensor for v in value):  # a backward's new gradients
+        if not any(v.requires_grad for v in value):
+            return value
+        return tuple(v.detach() if v.requires_grad else v for v in value)
     return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) and v.requires_grad else v, value)
 
 

@@ -107,10 +107,14 @@ def held_results(value, expect: tuple, function):
     waited for, a DTensor's local shard), each checked against what the client's propagation described
     (``expect``: shape, dtype and layout per result).  A result that differs would give the client's proxy another
     shape or dtype than the worker's value: every later op planned on it would be wrong without an error."""
-    leaves, spec = tree_flatten(value)
-    if any(isinstance(leaf, torch.Tensor) and type(leaf) is not torch.Tensor for leaf in leaves):
-        leaves = [plain_tensor(leaf, "a result") if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        value = tree_unflatten(leaves, spec)
+    leaves: tuple | list
+    if type(value) is tuple and all(type(leaf) is torch.Tensor for leaf in value):
+        leaves = value  # a flat tuple of plain tensors (a backward's new gradients): its own leaves
+    else:
+        leaves, spec = tree_flatten(value)
+        if any(isinstance(leaf, torch.Tensor) and type(leaf) is not torch.Tensor for leaf in leaves):
+            leaves = [plain_tensor(leaf, "a result") if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+            value = tree_unflatten(leaves, spec)
     if not expect or len(leaves) != len(expect):  # a count that differs: bind_results says so
         return value
     for i, (leaf, want) in enumerate(zip(leaves, expect)):
@@ -128,18 +132,29 @@ def held_results(value, expect: tuple, function):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"result {i} of {_name(function)} is a {type(leaf).__name__}, where its propagation "
                             f"described a tensor of shape {list(shape)} ({dtype})")
-        kind = "nested" if leaf.is_nested else "quantized" if leaf.is_quantized else leaf.device.type
-        if kind in ("nested", "quantized", "meta"):
+        if leaf.is_nested or leaf.is_quantized or leaf.is_meta:
+            kind = "nested" if leaf.is_nested else "quantized" if leaf.is_quantized else "meta"
             raise TypeError(f"result {i} of {_name(function)} is a {kind} tensor, which a mesh tensor cannot hold "
                             f"(dense and sparse tensors with data): convert it in the function (to_padded_tensor(), "
                             f"dequantize()), or return it by value with call_on_shard_and_fetch")
-        got = (tuple(leaf.shape), str(leaf.dtype).split(".")[1], str(leaf.layout).split(".")[1])
+        got = (tuple(leaf.shape), _short_name(leaf.dtype), _short_name(leaf.layout))
         if got != (tuple(shape), dtype, layout):
             raise TypeError(f"result {i} of {_name(function)} is a {got[2]} tensor of shape {list(got[0])} ({got[1]}),"
                             f" where its propagation described a {layout} one of shape {list(shape)} ({dtype}): fix "
                             f"the propagate function (or what the function returns), else the client's view of the "
                             f"value would not be the worker's")
     return value
+
+
+_SHORT_NAMES: dict = {}
+
+
+def _short_name(kind) -> str:
+    """``torch.float32`` -> ``"float32"`` (a dtype's or layout's name as the client's propagation writes it), once."""
+    name = _SHORT_NAMES.get(kind)
+    if name is None:
+        name = _SHORT_NAMES[kind] = str(kind).split(".")[1]
+    return name
 
 
 def _name(function) -> str:

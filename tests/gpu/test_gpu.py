@@ -374,7 +374,7 @@ def test_a_factory_on_autograds_device_thread_runs_on_the_backward_calls_mesh_an
     stream = tdmesh.Stream("side") if side_stream else None
     with gpu_mesh.activate(), (stream.activate() if stream else contextlib.nullcontext()):
         w = torch.full((3,), 2.0, requires_grad=True)
-        w.register_hook(lambda g: g + torch.ones(3))
+        w.register_hook(lambda g: g + torch.ones(3, device="cuda"))  # local torch needs the device named there
         (w * w).sum().backward()
         got = tdmesh.fetch_shard(w.grad).result()
     assert torch.equal(got.cpu(), torch.full((3,), 5.0))
