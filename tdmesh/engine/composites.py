@@ -18,10 +18,10 @@ more, on that path only).
 
 Issued whole only where nothing could see the difference: every tensor a proxy of the active
 stream, plainly placed; the client issuing eagerly (not a compiled function's trace); no
-torch-function mode but the mesh's, no dispatch mode but the mesh's; autocast, functorch
-transforms, forward AD, inference mode and the profiler off; with a gradient to record, tdmesh's
-saved-tensor hooks on top (not a checkpoint's) and the workers running backwards.  Otherwise
-torch decomposes the call as always.
+torch-function mode but the mesh's, no dispatch mode but the mesh's; functorch transforms, forward
+AD, inference mode and the profiler off; with a gradient to record, tdmesh's saved-tensor hooks on top
+(not a checkpoint's) and the workers running backwards.  Otherwise torch decomposes the call as
+always.  Under autocast the arguments are first cast by autocast itself (:func:`autocast_casts`).
 
 One thing a later op can tell apart: in torch's decomposition the output of an n-d linear with a
 bias is a view (of ``addmm``'s result).  Writing it in place under autograd rebuilds the
@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 import torch.autograd.forward_ad as forward_ad
 from torch.utils._mode_utils import no_dispatch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import env_str
 from ..protocol.graph_digest import reachable
@@ -61,6 +62,7 @@ _any_autocast, _functorch_active = torch._C._is_any_autocast_enabled, torch._C._
 _profiling, _inference = torch._C._autograd._profiler_enabled, torch.is_inference_mode_enabled
 _dispatch_modes, _dispatch_mode_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
 _function_modes = torch._C._len_torch_function_stack
+_push_mode, _pop_mode = torch._C._push_on_torch_dispatch_stack, torch._C._pop_torch_dispatch_stack
 _grad_enabled = torch._C.is_grad_enabled
 ACCUMULATE = type(torch.ones(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
 
@@ -192,10 +194,14 @@ def _linear(func, args, kwargs):
     mesh = x._mesh
     client = mesh.client
     if client is None or client.sink is not client or _function_modes() or _dispatch_modes() != 1 or \
-            _dispatch_mode_at(0) is not MESH_MODE or _any_autocast() or _functorch_active() or \
+            _dispatch_mode_at(0) is not MESH_MODE or _functorch_active() or \
             forward_ad._current_level >= 0 or _inference() or _profiling() or \
             not placement.plainly_placed(args if bias is not None else args[:2], mesh, get_active_stream()):
         return NotImplemented
+    if _any_autocast():
+        if not thread_hooks.ours_on_top and _grad_enabled():  # declined below anyway: no casts issued for it
+            return NotImplemented
+        x, weight, bias = args = autocast_casts(x, weight, bias)
     needs = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     if not _grad_enabled() or needs == _NO_GRAD:  # nothing to record: the op alone
         COUNTS["linear"] += 1
@@ -216,6 +222,45 @@ def _linear(func, args, kwargs):
 
 
 _NO_GRAD = (False, False, False)
+_MM, _ADDMM = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
+
+
+class _CastProbe(TorchDispatchMode):
+    """Above the mesh's mode while ``autocast_casts`` calls ``mm``/``addmm``: passes the casts autocast
+    issues on to the mesh, and answers the op itself, without running or issuing it, with an empty local
+    tensor, keeping the arguments autocast cast for it (per thread: ``seen``)."""
+
+
+def _probe_dispatch(_mode, func, _types, args=(), kwargs=None):
+    if func is _MM or func is _ADDMM:
+        _seen.args = args
+        with no_dispatch():
+            return torch.empty(0)
+    return func(*args, **(kwargs or {}))
+
+
+_CastProbe.__torch_dispatch__ = _probe_dispatch  # type: ignore[method-assign] # no dynamo shim (dispatch.py)
+_PROBE = _CastProbe()
+_seen = threading.local()
+
+
+def autocast_casts(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple:
+    """``linear``'s arguments as autocast gives them to it: each cast by torch's own autocast kernel, whose
+    policy for ``mm``/``addmm`` is ``linear``'s (lower precision, on CUDA and CPU alike) and whose cache
+    of a parameter's cast is the region's one cache (a weight cast once per region, as local torch does,
+    however many ops use it; two casts of one weight would round its summed gradient otherwise).  The
+    probe op is answered before it runs (nothing of it is issued; the node autograd made for it dies with
+    its answer); the casts are issued as torch's path would issue them."""
+    _push_mode(_PROBE)
+    try:
+        if bias is None:
+            torch.mm(x, weight)
+        else:
+            torch.addmm(x, weight, bias)
+    finally:
+        _pop_mode(None)
+    cast, _seen.args = _seen.args, None
+    return cast[0], cast[1], (cast[2] if bias is not None else None)
 
 
 def _positional(args: tuple, kwargs: dict) -> tuple | None:

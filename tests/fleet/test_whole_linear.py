@@ -4,7 +4,7 @@ The client records one node for torch's decomposition of ``linear`` and the work
 decomposition itself, so everything a user can observe must be local torch's, bit for bit: the
 output, every gradient, where the backward ran.  Hypothesis draws the shapes (1-d to 4-d inputs,
 contiguous or not, the same tensor as input and weight), the bias, which tensors require grad, the
-dtype and what follows the call; the paths where the client's engine runs the node (a hook,
+dtype, autocast (bf16) around the call and what follows it; the paths where the client's engine runs the node (a hook,
 ``retain_grad``, ``create_graph``, a checkpoint) and the one later op that tells the decomposition apart
 (a write into its output, a view in torch) are each a test.  Every test runs the same code with
 ``TDMESH_WHOLE_LINEAR=off`` too, which must give the same numbers through torch's own decomposition."""
@@ -18,9 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
+import tdmesh
 from tdmesh import fetch_shard
 from tdmesh.engine import backward as engine_backward
 from tdmesh.engine import composites
+from tdmesh.protocol.graph_digest import reachable
 
 AFTER = {"sum": lambda y: y.sum(), "gelu": lambda y: F.gelu(y).pow(2).mean(),
          "softmax": lambda y: (y.softmax(-1) * torch.arange(y.shape[-1], dtype=y.dtype, device=y.device)).sum(),
@@ -45,7 +47,8 @@ def cases(draw) -> dict:
             "bias": draw(st.booleans()), "transposed": dims >= 2 and draw(st.booleans()),
             "needs": draw(st.tuples(st.booleans(), st.booleans(), st.booleans())),
             "dtype": draw(st.sampled_from([torch.float32, torch.float64])),
-            "after": draw(st.sampled_from(sorted(AFTER))), "seed": draw(st.integers(0, 2**16))}
+            "after": draw(st.sampled_from(sorted(AFTER))), "seed": draw(st.integers(0, 2**16)),
+            "autocast": draw(st.booleans())}
 
 
 def _inputs(case: dict) -> list:
@@ -73,8 +76,9 @@ def _run(case: dict, values: list, mesh=None) -> tuple:
         if t is not None and need and not (case["same"] and t is w):
             leaves.append(t.requires_grad_())
     weight = x if case["same"] else w
-    y = F.linear(x, weight, b)
-    loss = AFTER[case["after"]](y)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=case["autocast"]):
+        y = F.linear(x, weight, b)
+        loss = AFTER[case["after"]](y)
     before = dict(engine_backward.COUNTS)
     if loss.requires_grad:
         loss.backward()
@@ -199,3 +203,85 @@ def test_whole_linear_off_after_a_write_into_its_view(mesh1):
     assert composites.COUNTS["linear"] == issued + 1  # the first linear only
     assert engine_backward.COUNTS["workers"] == workers + 1  # the second backward only
     assert torch.equal(grad, expected)
+
+
+def _autocast_step(mesh, device: str) -> tuple:
+    """Under autocast: one weight used by two linears and a matmul (autocast casts it once, for all three),
+    a linear without a bias; the output, the gradients and the ``ToCopyBackward0`` nodes (casts) of the graph."""
+    g = torch.Generator().manual_seed(11)
+    values = [torch.randn(2, 3, 4, generator=g), torch.randn(4, 4, generator=g), torch.randn(4, generator=g),
+              torch.randn(6, 4, generator=g)]
+    x, w, b, w2 = (torch.tensor(v) for v in values) if mesh is not None else (v.to(device) for v in values)
+    for t in (x, w, b, w2):
+        t.requires_grad_()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        h = F.linear(x, w, b)
+        h = F.linear(h @ w.t(), w, b)
+        y = F.linear(h, w2)
+    loss = y.float().pow(2).sum()
+    nodes, _ = reachable([loss.grad_fn])
+    casts = sum(1 for n in nodes if type(n).__name__ == "ToCopyBackward0")
+    loss.backward()
+    out = [y.detach(), x.grad, w.grad, b.grad, w2.grad]
+    return ([fetch_shard(t).result() for t in out] if mesh is not None else [t.cpu() for t in out]), casts
+
+
+def test_whole_linear_under_autocast_takes_the_regions_casts(mesh1, monkeypatch):
+    """Under autocast each linear is issued whole with the arguments autocast casts for it, from its one
+    cache of a region's casts: a weight shared with a matmul is cast once (as in local torch: its gradient is
+    summed in bf16 before the cast back), and everything is local torch's, bit for bit."""
+    expected, expected_casts = _autocast_step(None, mesh1.device_type)
+    for setting in ("on", "off"):
+        monkeypatch.setenv("TDMESH_WHOLE_LINEAR", setting)
+        with mesh1.activate():
+            issued, workers = composites.COUNTS["linear"], engine_backward.COUNTS["workers"]
+            got, casts = _autocast_step(mesh1, mesh1.device_type)
+            assert composites.COUNTS["linear"] - issued == (3 if setting == "on" else 0)
+            assert engine_backward.COUNTS["workers"] == workers + 1
+        # x, w, b, w2 once each, the view w.t() (not cached: not a leaf), y.float()
+        assert casts == expected_casts == 6, (setting, casts)
+        for e, g in zip(expected, got, strict=True):
+            assert e.dtype == g.dtype and torch.equal(e, g), (setting, (e.double() - g.double()).abs().max())
+
+
+def test_a_llama_trained_under_autocast_issues_its_linears_whole_as_local_torch(mesh1):
+    """A Hugging Face Llama (tiny config, random weights; every projection an ``nn.Linear``) trained three SGD
+    steps under bf16 autocast: its linears issued whole, every loss and parameter local torch's."""
+    pytest.importorskip("transformers")
+    from bench.compile_models import batch, build
+
+    def train(state: dict, data: dict) -> tuple[list, list]:
+        model = build("llama")
+        model.load_state_dict(state)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(3):
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = model(**data).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses, [p.detach() for p in model.parameters()]
+
+    device = mesh1.device_type
+    torch.manual_seed(0)
+    state, data = build("llama").state_dict(), batch("llama")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a worker runs: two thread counts may sum a matmul in different orders
+    try:
+        with torch.device(device):
+            want_losses, want_params = train({k: v.to(device) for k, v in state.items()},
+                                             {k: v.to(device) for k, v in data.items()})
+    finally:
+        torch.set_num_threads(threads)
+    with mesh1.activate():
+        issued = composites.COUNTS["linear"]
+        losses, params = train(tdmesh.to_mesh(state, mesh1), tdmesh.to_mesh(data, mesh1))
+        assert composites.COUNTS["linear"] - issued == 3 * 15  # 2 layers x 7 projections + the head, each step
+        got_losses, got_params = fetch_shard((losses, params)).result()
+    for want, got in zip([*want_losses, *want_params], [*got_losses, *got_params], strict=True):
+        if device == "cpu":
+            assert torch.equal(got, want.cpu())
+        else:
+            torch.testing.assert_close(got, want.cpu(), rtol=1e-5, atol=1e-7)
