@@ -205,12 +205,15 @@ def test_whole_linear_off_after_a_write_into_its_view(mesh1):
     assert torch.equal(grad, expected)
 
 
+_G = torch.Generator().manual_seed(11)
+AUTOCAST_VALUES = [torch.randn(2, 3, 4, generator=_G), torch.randn(4, 4, generator=_G), torch.randn(4, generator=_G),
+                   torch.randn(6, 4, generator=_G)]
+
+
 def _autocast_step(mesh, device: str) -> tuple:
     """Under autocast: one weight used by two linears and a matmul (autocast casts it once, for all three),
     a linear without a bias; the output, the gradients and the ``ToCopyBackward0`` nodes (casts) of the graph."""
-    g = torch.Generator().manual_seed(11)
-    values = [torch.randn(2, 3, 4, generator=g), torch.randn(4, 4, generator=g), torch.randn(4, generator=g),
-              torch.randn(6, 4, generator=g)]
+    values = AUTOCAST_VALUES
     x, w, b, w2 = (torch.tensor(v) for v in values) if mesh is not None else (v.to(device) for v in values)
     for t in (x, w, b, w2):
         t.requires_grad_()
