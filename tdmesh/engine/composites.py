@@ -18,10 +18,10 @@ more, on that path only).
 
 Issued whole only where nothing could see the difference: every tensor a proxy of the active
 stream, plainly placed; the client issuing eagerly (not a compiled function's trace); no
-torch-function mode but the mesh's, no dispatch mode but the mesh's; functorch transforms, forward
-AD, inference mode and the profiler off; with a gradient to record, tdmesh's saved-tensor hooks on top
-(not a checkpoint's) and the workers running backwards.  Otherwise torch decomposes the call as
-always.  Under autocast the arguments are first cast by autocast itself (:func:`autocast_casts`).
+torch-function mode but the mesh's, no dispatch mode but the mesh's; autocast, functorch
+transforms, forward AD, inference mode and the profiler off; with a gradient to record, tdmesh's
+saved-tensor hooks on top (not a checkpoint's) and the workers running backwards.  Otherwise
+torch decomposes the call as always.
 
 One thing a later op can tell apart: in torch's decomposition the output of an n-d linear with a
 bias is a view (of ``addmm``'s result).  Writing it in place under autograd rebuilds the
@@ -63,7 +63,6 @@ _profiling, _inference = torch._C._autograd._profiler_enabled, torch.is_inferenc
 _dispatch_modes, _dispatch_mode_at = torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at
 _function_modes = torch._C._len_torch_function_stack
 _push_mode, _pop_mode = torch._C._push_on_torch_dispatch_stack, torch._C._pop_torch_dispatch_stack
-_no_dispatch = torch._C._DisableTorchDispatch
 _grad_enabled = torch._C.is_grad_enabled
 ACCUMULATE = type(torch.ones(1, requires_grad=True).view(1).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
 
@@ -111,23 +110,29 @@ def _shape_of(tensors: tuple, needs: tuple, stride_of_one: str | None) -> tuple:
     or 1): the name hashes of its nodes (sorted), its edges, the edges out of it, whether its output is a
     view."""
     with no_dispatch(), torch._C.DisableTorchFunction(), torch.enable_grad():
-        metas: dict[int, torch.Tensor] = {}
-        args: list[torch.Tensor | None] = []
-        for t, need in zip(tensors, needs):
-            if t is None:
-                args.append(None)
-                continue
-            if id(t) not in metas:  # the same tensor twice stays one tensor
-                meta = meta_tensor(t._meta)
-                if stride_of_one is not None and 1 in meta.shape:
-                    meta = meta.as_strided(meta.shape, _strides_of_one(meta, stride_of_one))
-                metas[id(t)] = meta.detach().requires_grad_(need)
-            args.append(metas[id(t)])
-        out = _LINEAR(*args)
+        out = _LINEAR(*_metas(tensors, needs, stride_of_one))
         nodes, edges = reachable([out.grad_fn])
         inner = [n for n in nodes if type(n) is not ACCUMULATE]
         outer = sum(1 for n in inner for child, _ in n.next_functions if type(child) is ACCUMULATE)
         return tuple(sorted(_name_hash(type(n)) for n in inner)), edges, outer, out._is_view()
+
+
+def _metas(tensors: tuple, needs: tuple, stride_of_one: str | None) -> list:
+    """Meta tensors like ``tensors`` (proxies or None), each requiring grad as ``needs`` says, a length-one dim's
+    stride as given, as if contiguous (``"dense"``) or 1 (``"one"``); the same tensor twice stays one tensor."""
+    metas: dict[int, torch.Tensor] = {}
+    out: list[torch.Tensor | None] = []
+    for t, need in zip(tensors, needs):
+        if t is None:
+            out.append(None)
+            continue
+        if id(t) not in metas:
+            meta = meta_tensor(t._meta)
+            if stride_of_one is not None and 1 in meta.shape:
+                meta = meta.as_strided(meta.shape, _strides_of_one(meta, stride_of_one))
+            metas[id(t)] = meta.detach().requires_grad_(need)
+        out.append(metas[id(t)])
+    return out
 
 
 def _strides_of_one(t: torch.Tensor, how: str) -> list[int]:
@@ -195,79 +200,83 @@ def _linear(func, args, kwargs):
     mesh = x._mesh
     client = mesh.client
     if client is None or client.sink is not client or _function_modes() or _dispatch_modes() != 1 or \
-            _dispatch_mode_at(0) is not MESH_MODE or _functorch_active() or \
+            _dispatch_mode_at(0) is not MESH_MODE or _any_autocast() or _functorch_active() or \
             forward_ad._current_level >= 0 or _inference() or _profiling() or \
             not placement.plainly_placed(args if bias is not None else args[:2], mesh, get_active_stream()):
         return NotImplemented
-    if _any_autocast():
-        if not thread_hooks.ours_on_top and _grad_enabled():  # declined below anyway: no casts issued for it
-            return NotImplemented
-        x, weight, bias = args = autocast_casts(x, weight, bias)
     needs = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    if not _grad_enabled() or needs == _NO_GRAD:  # nothing to record: the op alone
+    if not _grad_enabled() or needs == _NO_GRAD:  # nothing to record: the op alone, where its kernels are settled
+        if not _settled(args, needs):
+            return NotImplemented
         COUNTS["linear"] += 1
         return dispatch(MESH_MODE, _LINEAR, None, args, {})
     if not thread_hooks.ours_on_top:  # a checkpoint's hooks, or TDMESH_BACKWARD=client when the mesh was activated
         return NotImplemented
-    key = (x._meta, weight._meta, None if bias is None else bias._meta, needs, x is weight, bias is x or bias is weight)
-    found = _EXPANSIONS.get(key, False)
-    if found is False:
-        try:
-            found = expansion(key, args, needs)
-        except Exception:  # noqa: BLE001 - arguments torch refuses: its own path raises, at the user's line
-            return NotImplemented
-    if found is None:
+    found = _found(args, needs)
+    if found is None or not _settled(args, needs):
         return NotImplemented
     COUNTS["linear"] += 1
     return _apply(x, weight, bias, found)
 
 
+_SETTLED: dict = {}
+
+
+class _Recorder(TorchDispatchMode):
+    """The aten ops a call dispatches (on meta tensors, the mesh's mode off the stack)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _settled(args: tuple, needs: tuple) -> bool:
+    """Whether ``linear`` runs the same aten ops whatever the strides of its length-one dims: ``matmul`` folds
+    an input into a matrix, where the weight needs no gradient, only where those strides let it (another kernel,
+    another rounding), and only the workers' tensors settle them (``expansion``).  Autograd's nodes show it
+    where the input needs a gradient; with nothing to record (or only the bias to) the ops alone do.  Once per
+    argument metadata and ``needs``."""
+    x, weight, bias = args
+    key = (x._meta, weight._meta, None if bias is None else bias._meta, needs, x is weight, bias is x or bias is weight)
+    settled = _SETTLED.get(key)
+    if settled is None:
+        seen = set()
+        mesh_mode = _pop_mode(None)  # the mesh's (the caller checked it is the only one)
+        try:
+            for stride_of_one in (None, "dense", "one"):
+                with no_dispatch():
+                    metas = _metas(args, needs, stride_of_one)
+                with _Recorder() as recorder:
+                    try:
+                        _LINEAR(*metas)
+                    except Exception:  # noqa: BLE001 - arguments torch refuses: its own path raises, at the user's line
+                        return False
+                seen.add(tuple(recorder.ops))
+        finally:
+            _push_mode(mesh_mode)
+        settled = _SETTLED[key] = len(seen) == 1
+    return settled
+
+
+def _found(args: tuple, needs: tuple) -> Expansion | None:
+    """``expansion`` of these arguments, from ``_EXPANSIONS`` after its first call; None where torch refuses them
+    (its own path raises, at the user's line)."""
+    x, weight, bias = args
+    key = (x._meta, weight._meta, None if bias is None else bias._meta, needs, x is weight, bias is x or bias is weight)
+    found = _EXPANSIONS.get(key, False)
+    if found is False:
+        try:
+            found = expansion(key, args, needs)
+        except Exception:  # noqa: BLE001 - arguments torch refuses
+            return None
+    return found
+
+
 _NO_GRAD = (False, False, False)
-_MM, _ADDMM = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
-
-
-class _CastProbe(TorchDispatchMode):
-    """Above the mesh's mode while ``autocast_casts`` calls ``mm``/``addmm``: passes the casts autocast
-    issues on to the mesh, and answers the op itself, without running or issuing it, with an empty local
-    tensor, keeping the arguments autocast cast for it (per thread: ``seen``)."""
-
-
-def _probe_dispatch(_mode, func, types, args=(), kwargs=None):
-    if func is _MM or func is _ADDMM:
-        _seen.args = args
-        with _no_dispatch():
-            return torch.empty(0)
-    # a cast: the mesh's handler, called as torch would call it (its mode off the stack meanwhile), without
-    # torch's second trip through the dispatcher to reach it (~20 us a cast)
-    mode = _pop_mode(None)
-    try:
-        return dispatch(mode, func, types, args, kwargs)
-    finally:
-        _push_mode(mode)
-
-
-_CastProbe.__torch_dispatch__ = _probe_dispatch  # type: ignore[method-assign] # no dynamo shim (dispatch.py)
-_PROBE = _CastProbe()
-_seen = threading.local()
-
-
-def autocast_casts(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple:
-    """``linear``'s arguments as autocast gives them to it: each cast by torch's own autocast kernel, whose
-    policy for ``mm``/``addmm`` is ``linear``'s (lower precision, on CUDA and CPU alike) and whose cache
-    of a parameter's cast is the region's one cache (a weight cast once per region, as local torch does,
-    however many ops use it; two casts of one weight would round its summed gradient otherwise).  The
-    probe op is answered before it runs (nothing of it is issued; the node autograd made for it dies with
-    its answer); the casts are issued as torch's path would issue them."""
-    _push_mode(_PROBE)
-    try:
-        if bias is None:
-            torch.mm(x, weight)
-        else:
-            torch.addmm(x, weight, bias)
-    finally:
-        _pop_mode(None)
-    cast, _seen.args = _seen.args, None
-    return cast[0], cast[1], (cast[2] if bias is not None else None)
 
 
 def _positional(args: tuple, kwargs: dict) -> tuple | None:
