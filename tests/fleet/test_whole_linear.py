@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import tdmesh
@@ -293,12 +294,34 @@ def test_a_llama_trained_under_autocast_is_local_torch(mesh1):
             torch.testing.assert_close(got, want.cpu(), rtol=1e-5, atol=1e-7)
 
 
+def _folds_by_strides() -> bool:
+    """Whether this torch's ``linear`` (``matmul``) picks other aten ops for a ``(1, 1, 3)`` input by its length-one
+    dims' strides, as its workers' copy ``(3, 3, 1)`` and the client's proxy ``(3, 1, 1)`` have them."""
+    seen = set()
+    for strides in ((3, 1, 1), (3, 3, 1)):
+        with tdmesh.no_mesh.activate(), _Ops() as ops, torch.no_grad():
+            F.linear(torch.empty(3, device="meta").as_strided((1, 1, 3), strides), torch.empty(2, 3, device="meta"))
+        seen.add(tuple(ops.names))
+    return len(seen) > 1
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_linear_without_grad_is_whole_only_where_its_kernels_are_settled(mesh1):
     """With nothing to record ``linear`` is issued whole where its aten ops do not turn on its length-one
     dims' strides; where they do (``matmul`` folds an input into a matrix only where those strides allow, and
     only the workers' tensors settle them: the client's proxy of a transposed ``(1, 3, 1)`` says ``(3, 1, 1)``,
     the worker's copy ``(3, 3, 1)``), it is torch's decomposition: a different kernel would round otherwise.
-    Hypothesis found the second case (a last-place difference in the output)."""
+    Hypothesis found the second case (a last-place difference in the output, torch 2.13; torch 2.14's ``matmul``
+    folds it whatever the strides, so there it is whole)."""
     g = torch.Generator().manual_seed(1)
     odd, plain, w = torch.randn(1, 3, 1, generator=g).transpose(-1, -2), torch.randn(2, 5, 3, generator=g), \
         torch.randn(2, 3, generator=g)
@@ -309,7 +332,8 @@ def test_a_linear_without_grad_is_whole_only_where_its_kernels_are_settled(mesh1
         wm = torch.tensor(w)
         issued = composites.COUNTS["linear"]
         y_odd = F.linear(torch.tensor(odd), wm)
-        assert composites.COUNTS["linear"] == issued
+        assert composites.COUNTS["linear"] == issued + (not _folds_by_strides())
+        issued = composites.COUNTS["linear"]
         y_plain = F.linear(torch.tensor(plain), wm)
         assert composites.COUNTS["linear"] == issued + 1
         got = fetch_shard([y_odd, y_plain]).result()
