@@ -213,7 +213,7 @@ def _linear(func, args, kwargs):
     if not thread_hooks.ours_on_top:  # a checkpoint's hooks, or TDMESH_BACKWARD=client when the mesh was activated
         return NotImplemented
     found = _found(args, needs)
-    if found is None or not _settled(args, needs):
+    if found is None:
         return NotImplemented
     COUNTS["linear"] += 1
     return _apply(x, weight, bias, found)
@@ -264,7 +264,7 @@ def _settled(args: tuple, needs: tuple) -> bool:
 
 def _found(args: tuple, needs: tuple) -> Expansion | None:
     """``expansion`` of these arguments, from ``_EXPANSIONS`` after its first call; None where torch refuses them
-    (its own path raises, at the user's line)."""
+    (its own path raises, at the user's line) or where they are not ``_settled``."""
     x, weight, bias = args
     key = (x._meta, weight._meta, None if bias is None else bias._meta, needs, x is weight, bias is x or bias is weight)
     found = _EXPANSIONS.get(key, False)
@@ -273,6 +273,8 @@ def _found(args: tuple, needs: tuple) -> Expansion | None:
             found = expansion(key, args, needs)
         except Exception:  # noqa: BLE001 - arguments torch refuses
             return None
+        if found is not None and not _settled(args, needs):  # kept with it: nothing more to look up a call
+            found = _EXPANSIONS[key] = None
     return found
 
 
