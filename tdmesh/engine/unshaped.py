@@ -113,14 +113,15 @@ def no_kernel(e: Exception) -> bool:
 # and transformers' MoE layers call it so on CPU.  Its meta ``view_copy`` views, where the device's
 # kernels reshape: a transposed input is refused (CPU meshes propagate on fake CPU tensors, which run
 # the CPU kernel's rule; CUDA meshes on the meta device).
-_META_STRICTER = {("aten::_grouped_mm", "cpu"): "Expected inputs of BF16 type",
-                  ("aten::view_copy", "cuda"): "view size is not compatible with input tensor's size and stride"}
+# Each refusal's texts, one a torch version that words it otherwise (torch 2.14: "Expected mat_a to be BFloat16 ...").
+_META_STRICTER = {("aten::_grouped_mm", "cpu"): ("Expected inputs of BF16 type", "to be BFloat16 or supported Float16"),
+                  ("aten::view_copy", "cuda"): ("view size is not compatible with input tensor's size and stride",)}
 
 
 def meta_stricter(func, device_type: str, e: Exception) -> bool:
     """Whether propagation failed where torch's meta kernel is stricter than the device's kernel."""
-    text = _META_STRICTER.get((func._schema.name, device_type))
-    return text is not None and text in str(e)
+    texts = _META_STRICTER.get((func._schema.name, device_type), ())
+    return any(text in str(e) for text in texts)
 
 
 def data_dependent(e: Exception) -> bool:
