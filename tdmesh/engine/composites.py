@@ -222,6 +222,13 @@ def _linear(func, args, kwargs):
 _SETTLED: dict = {}
 
 
+def _key(args: tuple, needs: tuple) -> tuple:
+    """The caches' key of a call: its tensors' metadata, which need a gradient, which are the same tensor."""
+    x, weight, bias = args
+    bias_meta = None if bias is None else bias._meta
+    return (x._meta, weight._meta, bias_meta, needs, x is weight, bias is x or bias is weight)
+
+
 class _Recorder(TorchDispatchMode):
     """The aten ops a call dispatches (on meta tensors, the mesh's mode off the stack)."""
 
@@ -240,8 +247,7 @@ def _settled(args: tuple, needs: tuple) -> bool:
     another rounding), and only the workers' tensors settle them (``expansion``).  Autograd's nodes show it
     where the input needs a gradient; with nothing to record (or only the bias to) the ops alone do.  Once per
     argument metadata and ``needs``."""
-    x, weight, bias = args
-    key = (x._meta, weight._meta, None if bias is None else bias._meta, needs, x is weight, bias is x or bias is weight)
+    key = _key(args, needs)
     settled = _SETTLED.get(key)
     if settled is None:
         seen = set()
@@ -265,8 +271,7 @@ def _settled(args: tuple, needs: tuple) -> bool:
 def _found(args: tuple, needs: tuple) -> Expansion | None:
     """``expansion`` of these arguments, from ``_EXPANSIONS`` after its first call; None where torch refuses them
     (its own path raises, at the user's line) or where they are not ``_settled``."""
-    x, weight, bias = args
-    key = (x._meta, weight._meta, None if bias is None else bias._meta, needs, x is weight, bias is x or bias is weight)
+    key = _key(args, needs)
     found = _EXPANSIONS.get(key, False)
     if found is False:
         try:
